@@ -1,0 +1,38 @@
+# The README's two commands. Each bootstraps .venv idempotently: torch==2.13.0 first (the local CPU
+# wheel on these machines, so pip never pulls a CUDA build), then this package in editable mode.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.workbench-installed
+LAB_IP ?= 127.0.0.1
+LAB_PORT ?= 8888
+PYTEST_ARGS ?=
+
+.PHONY: lab test install browser clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian's Chromium for the real-browser UI tests (skipped where it cannot be installed).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	      || echo "warning: could not install chromium; browser tests will be skipped"; \
+	  else echo "note: chromium not found and apt-get unavailable; browser tests will be skipped"; fi; }
+
+lab: $(STAMP)
+	@echo "Starting JupyterLab on notebooks/ -- open the http://$(LAB_IP):$(LAB_PORT)/lab?token=... URL printed below"
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --no-browser --ip=$(LAB_IP) --port=$(LAB_PORT) --ServerApp.root_dir=notebooks
+
+test: $(STAMP) browser
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -1,0 +1,375 @@
+"""Configuration: what to train (ModelConfig), how to lay it out (ParallelConfig), how to train (TrainConfig).
+
+Every check happens here, before any process starts, and fails with one ``ValueError`` that names the
+numbers involved and what to change::
+
+    ValueError: tp=3 does not divide n_heads=8; choose tp in {1, 2, 4, 8}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "PRESETS",
+    "resolve_model",
+    "validate",
+]
+
+
+def _divisors(n: int) -> str:
+    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+class _JsonMixin:
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[arg-type]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown {cls.__name__} field(s) {unknown}; known fields are {sorted(names)}"
+            )
+        return cls(**data)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig(_JsonMixin):
+    """A Llama-architecture decoder: RMSNorm, RoPE, SwiGLU feed-forward, grouped-query attention."""
+
+    name: str = "custom"
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_hidden: int = 384
+    vocab_size: int = 256
+    max_seq_len: int = 512
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+            _positive_int(name, getattr(self, name))
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} does not divide dim={self.dim}; "
+                f"choose n_heads in {_divisors(self.dim)}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; "
+                f"choose n_kv_heads in {_divisors(self.n_heads)}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"head_dim={self.dim // self.n_heads} (dim/n_heads) must be even for rotary embeddings"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def n_params(self) -> int:
+        """Exact parameter count of the model this config builds."""
+        kv = self.n_kv_heads * self.head_dim
+        attn = self.dim * self.dim * 2 + self.dim * kv * 2
+        ffn = 3 * self.dim * self.ffn_hidden
+        per_layer = attn + ffn + 2 * self.dim
+        emb = self.vocab_size * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.n_layers * per_layer + emb + head + self.dim
+
+    @classmethod
+    def from_hf_config(cls, path_or_dict: str | Path | dict[str, Any], name: str | None = None) -> "ModelConfig":
+        """Read a Hugging Face ``config.json`` of a Llama-architecture model. Only dims are read; no weights."""
+        if isinstance(path_or_dict, dict):
+            hf = path_or_dict
+            source = "config"
+        else:
+            p = Path(path_or_dict)
+            if p.is_dir():
+                p = p / "config.json"
+            source = str(p)
+            try:
+                hf = json.loads(p.read_text())
+            except FileNotFoundError:
+                raise ValueError(f"{source}: no such file; pass a preset name or a Hugging Face config.json") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{source}: not valid JSON ({e.msg} at line {e.lineno}); fix or re-download the file") from None
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ("llama", "mistral"):
+            raise ValueError(
+                f"{source}: model_type={model_type!r} is not a Llama-architecture model; "
+                "supported model_type values are 'llama' and 'mistral'"
+            )
+        required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ValueError(f"{source}: missing key(s) {missing}; a Llama config.json needs {required}")
+        return cls(
+            name=name or hf.get("_name_or_path") or Path(source).parent.name or "hf",
+            dim=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            ffn_hidden=hf["intermediate_size"],
+            vocab_size=hf["vocab_size"],
+            max_seq_len=hf.get("max_position_embeddings", 4096),
+            norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=hf.get("rope_theta", 10000.0),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # ~1M parameters: trains on a laptop CPU in seconds. Byte-level vocabulary.
+    "tiny": ModelConfig("tiny", dim=128, n_layers=5, n_heads=8, n_kv_heads=4, ffn_hidden=384, vocab_size=256, max_seq_len=512),
+    # ~25M parameters: still CPU-trainable, big enough for memory and throughput to be interesting.
+    "small": ModelConfig("small", dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=1536, vocab_size=256, max_seq_len=1024),
+    # Llama-2 shapes, for planning (they are far too large to train on a CPU).
+    "llama-7b": ModelConfig("llama-7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden=11008, vocab_size=32000, max_seq_len=4096),
+    "llama-70b": ModelConfig("llama-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672, vocab_size=32000, max_seq_len=4096),
+}
+
+
+def resolve_model(model: "str | Path | ModelConfig | dict") -> ModelConfig:
+    """A preset name, a path to a Hugging Face config.json, a dict of ModelConfig fields, or a ModelConfig."""
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, dict):
+        return ModelConfig.from_dict(model)
+    text = str(model)
+    if text in PRESETS:
+        return PRESETS[text]
+    if text.endswith(".json") or Path(text).is_dir():
+        return ModelConfig.from_hf_config(text)
+    raise ValueError(f"unknown model {text!r}; choose a preset in {sorted(PRESETS)} or pass a config.json path")
+
+
+# --------------------------------------------------------------------------------------------------
+# Parallel layout
+# --------------------------------------------------------------------------------------------------
+
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+@dataclass(frozen=True)
+class ParallelConfig(_JsonMixin):
+    """Degrees of each parallelism. ``world_size`` is their product (ep borrows from dp_shard x tp).
+
+    ``dp_shard=-1`` means "whatever is left": it is resolved against ``nproc`` by :meth:`resolved`.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    pp_schedule: str = "1F1B"
+    microbatches: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "pp", "ep"):
+            _positive_int(name, getattr(self, name))
+        if self.dp_shard != -1:
+            _positive_int("dp_shard", self.dp_shard)
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"pp_schedule={self.pp_schedule!r} is unknown; choose one of {list(PP_SCHEDULES)}")
+        if self.microbatches is not None:
+            _positive_int("microbatches", self.microbatches)
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1; set tp=2 or more, or turn sequence_parallel off")
+
+    def resolved(self, nproc: int | None = None) -> "ParallelConfig":
+        """Fill in ``dp_shard=-1`` from ``nproc`` (default: 1). Raises if the degrees cannot fill nproc."""
+        fixed = self.dp_replicate * self.tp * self.pp
+        if self.dp_shard == -1:
+            n = fixed if nproc is None else nproc
+            if n % fixed:
+                raise ValueError(
+                    f"nproc={n} is not divisible by dp_replicate*tp*pp={fixed}; "
+                    f"choose nproc as a multiple of {fixed}"
+                )
+            return dataclasses.replace(self, dp_shard=n // fixed)
+        if nproc is not None and nproc != self.world_size:
+            raise ValueError(
+                f"nproc={nproc} but dp_replicate*dp_shard*tp*pp={self.world_size}; "
+                f"set nproc={self.world_size} or change the degrees"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        if self.dp_shard == -1:
+            raise ValueError("dp_shard=-1 is unresolved; call ParallelConfig.resolved(nproc) first")
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        """Number of data-parallel ranks: each sees a different slice of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Named mesh dimensions with degree > 1, outermost first (the order ranks are laid out in)."""
+        dims = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        return {k: v for k, v in dims.items() if v > 1}
+
+    def describe(self) -> str:
+        parts = [f"{k}={v}" for k, v in self.mesh_shape.items()]
+        if self.sequence_parallel:
+            parts.append("sp")
+        return " x ".join(parts) if parts else "single process"
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+DTYPES = ("float32", "bfloat16")
+DATASETS = ("synthetic", "text")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_JsonMixin):
+    """How to train. ``global_batch`` is in sequences and does not depend on the layout."""
+
+    steps: int = 20
+    global_batch: int = 8
+    micro_batch: int | None = None  # sequences per data-parallel rank per forward; None = no accumulation
+    seq_len: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    seed: int = 0
+    dtype: str = "float32"
+    data: str = "synthetic"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch", "seq_len"):
+            _positive_int(name, getattr(self, name))
+        if self.micro_batch is not None:
+            _positive_int("micro_batch", self.micro_batch)
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr={self.lr!r} must be a positive finite number")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip={self.grad_clip} must be >= 0 (0 turns clipping off)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is unknown; choose one of {list(DTYPES)}")
+        if self.data not in DATASETS:
+            raise ValueError(f"data={self.data!r} is unknown; choose one of {list(DATASETS)}")
+
+    def grad_accum(self, dp: int) -> int:
+        micro = self.micro_batch or self.global_batch // dp
+        return self.global_batch // (micro * dp)
+
+    def local_micro_batch(self, dp: int) -> int:
+        return self.micro_batch or self.global_batch // dp
+
+
+# --------------------------------------------------------------------------------------------------
+# Cross-checks: everything that depends on two configs at once
+# --------------------------------------------------------------------------------------------------
+
+
+def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig | None = None) -> None:
+    """Raise one ValueError naming the problem and the fix, or return None if the combination works."""
+    tp = parallel.tp
+    tp_dims = {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads, "ffn_hidden": model.ffn_hidden,
+               "vocab_size": model.vocab_size}
+    common = math.gcd(*tp_dims.values())
+    for name, size in tp_dims.items():
+        if size % tp:
+            raise ValueError(f"tp={tp} does not divide {name}={size}; choose tp in {_divisors(common)}")
+    if parallel.pp > 1:
+        if parallel.pp > model.n_layers:
+            raise ValueError(f"pp={parallel.pp} exceeds n_layers={model.n_layers}; choose pp <= {model.n_layers}")
+        raise ValueError(
+            f"pp={parallel.pp}: pipeline parallelism is reserved in ParallelConfig but not available in this "
+            "version; use pp=1"
+        )
+    if parallel.ep > 1:
+        raise ValueError(
+            f"ep={parallel.ep}: expert parallelism needs a mixture-of-experts model and is not available in "
+            "this version; use ep=1"
+        )
+    if train is None:
+        return
+    if train.seq_len > model.max_seq_len:
+        raise ValueError(
+            f"seq_len={train.seq_len} exceeds max_seq_len={model.max_seq_len} of model {model.name!r}; "
+            f"choose seq_len <= {model.max_seq_len}"
+        )
+    if parallel.sequence_parallel and train.seq_len % tp:
+        raise ValueError(
+            f"sequence_parallel shards seq_len={train.seq_len} over tp={tp}, which does not divide it; "
+            f"choose seq_len as a multiple of {tp}"
+        )
+    if parallel.dp_shard == -1:
+        return
+    dp = parallel.dp
+    if train.global_batch % dp:
+        raise ValueError(
+            f"global_batch={train.global_batch} is not divisible by the {dp} data-parallel ranks "
+            f"(dp_replicate*dp_shard); choose global_batch as a multiple of {dp}"
+        )
+    if train.micro_batch is not None and train.global_batch % (train.micro_batch * dp):
+        raise ValueError(
+            f"global_batch={train.global_batch} is not divisible by micro_batch*dp={train.micro_batch}*{dp}; "
+            f"choose micro_batch in {_divisors(train.global_batch // dp)}"
+        )
+
+
+@dataclass(frozen=True)
+class JobConfig(_JsonMixin):
+    """Everything a rank needs, written to ``RUN_DIR/config.json``."""
+
+    model: ModelConfig = field(default_factory=lambda: PRESETS["tiny"])
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(dp_shard=1))
+    train: TrainConfig = field(default_factory=TrainConfig)
+    # A test hook: the named rank raises at the given step, so failure paths can be exercised for real.
+    fail_at: dict[str, int] | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
+        return cls(
+            model=ModelConfig.from_dict(data["model"]),
+            parallel=ParallelConfig.from_dict(data["parallel"]),
+            train=TrainConfig.from_dict(data["train"]),
+            fail_at=data.get("fail_at"),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> "JobConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,154 @@
+"""A Llama-style decoder: RMSNorm, rotary position embeddings, SwiGLU, grouped-query attention.
+
+No parallel code lives here. Tensor parallelism shards the projection weights from the outside
+(``workbench.parallel.tensor``); the model never assumes how many heads it holds, so every reshape
+infers the local head count from the tensor (``view(b, s, -1, head_dim)``)::
+
+    h   = x + Attention(RMSNorm(x))
+    out = h + FeedForward(RMSNorm(h)),     FeedForward(x) = W2 (silu(W1 x) * W3 x)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w"""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_seq_len, head_dim/2): angle(t, i) = t * theta^(-2i/head_dim)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) by angle(t, i). x: (batch, seq, heads, head_dim)."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: n_kv_heads key/value heads shared by n_heads query heads."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.n_rep = cfg.n_heads // cfg.n_kv_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # (b, heads, s, head_dim); each kv head serves n_rep query heads
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k = k.repeat_interleave(self.n_rep, dim=1)
+        v = v.repeat_interleave(self.n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """tokens (batch, seq) -> logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict with string keys keeps fully-qualified names stable ("layers.3.attention.wq")
+        # and lets later stages drop layers without renumbering.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from ``seed`` alone, so every layout starts from identical weights."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        std = 0.02
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)  # scaled residual projections (GPT-2 style)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                    continue
+                s = out_std if name.endswith(("wo.weight", "w2.weight")) else std
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        # Under sequence parallelism h holds a slice of the sequence; the rope tables follow the
+        # full length because attention sees the whole sequence after its input all-gather.
+        s = tokens.shape[1]
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def build_model(cfg: ModelConfig, *, seed: int | None = 0, device: str | torch.device = "cpu") -> Transformer:
+    """Build on ``device``. On the meta device nothing is allocated and ``seed`` is ignored."""
+    with torch.device(device):
+        model = Transformer(cfg)
+    if seed is not None and str(device) != "meta":
+        model.init_weights(seed)
+    return model

@@ -1,0 +1,77 @@
+"""Tensor parallelism (Megatron-style) with optional sequence parallelism, written as a plan.
+
+Column-parallel splits a weight's output features, row-parallel its input features::
+
+    Y = X W,  W = [W_1 ... W_p]     (colwise: rank i computes X W_i, no communication)
+    Y = sum_i X_i W_i               (rowwise: an all-reduce, or a reduce-scatter under SP)
+
+Attention is colwise on wq/wk/wv (each rank owns n_heads/tp heads) and rowwise on wo; the feed-forward
+is colwise on w1/w3 and rowwise on w2. With sequence parallelism the norms and residual stream hold
+a slice of the sequence (Shard(1)), and the all-reduce becomes reduce-scatter + all-gather.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def root_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Plan for the embedding, final norm and output head."""
+    if sequence_parallel:
+        return {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Plan for one TransformerBlock, by the block-relative name of each submodule."""
+    if sequence_parallel:
+        # The residual stream is Shard(1); gather it before attention / ffn, reduce-scatter after.
+        return {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+    return {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``tp_mesh``."""
+    parallelize_module(model, tp_mesh, root_plan(sequence_parallel))
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+    return model

@@ -1,0 +1,169 @@
+"""The training loop that every rank runs: build, parallelize, train, log events.
+
+Loss bookkeeping keeps every layout equal to the single-process run. Each micro-batch loss is the
+token-mean cross entropy divided by the number of micro-batches, and data parallelism averages over dp
+ranks, so the gradient is always that of the mean loss over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from workbench.config import JobConfig
+from workbench.mesh import build_mesh, dp_rank
+from workbench.models import build_model
+from workbench.parallel.apply import parallelize
+from workbench.train.data import make_dataset, micro_batches
+from workbench.train.events import EventWriter
+
+
+def grad_norm(params) -> torch.Tensor:
+    """Global L2 norm of the gradients of plain tensors and DTensors on any meshes.
+
+    A DTensor gradient's local sum of squares is summed over the mesh dimensions it is sharded on and
+    left alone on those it is replicated on. Grads that share those dimensions share one all-reduce.
+    """
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    pgs: dict[tuple, list] = {}
+    device = None
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            # Shard and FSDP's _StridedShard (not a Shard subclass) both split the tensor; Partial
+            # grads do not survive backward under our styles, so "not replicated" means "sharded".
+            sharded = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
+            key = tuple(mesh.get_group(i).group_name for i in sharded)
+            pgs[key] = [mesh.get_group(i) for i in sharded]
+            local = g.to_local()
+        else:
+            key = ()
+            pgs[key] = []
+            local = g
+        device = local.device
+        groups[key].append(local.detach().float().pow(2).sum())
+    if device is None:
+        return torch.zeros(())
+    total = torch.zeros((), device=device)
+    for key, parts in groups.items():
+        s = torch.stack(parts).sum()
+        for pg in pgs[key]:
+            dist.all_reduce(s, group=pg)
+        total = total + s
+    return total.sqrt()
+
+
+def clip_grads_(params, max_norm: float) -> float:
+    params = [p for p in params if p.grad is not None]
+    norm = grad_norm(params)
+    value = float(norm)
+    if max_norm > 0 and value > max_norm:
+        coef = max_norm / (value + 1e-6)
+        for p in params:
+            p.grad.mul_(coef)
+    return value
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _mem_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return _rss_bytes()
+
+
+def train(job: JobConfig, run_dir: str) -> None:
+    """Run ``job`` on this rank. Expects torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    events = EventWriter(run_dir, rank)
+    use_cuda = torch.cuda.is_available() and os.environ.get("WORKBENCH_DEVICE", "") != "cpu"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    mcfg, pcfg, tcfg = job.model, job.parallel, job.train
+    timeout = timedelta(seconds=float(os.environ.get("WORKBENCH_PG_TIMEOUT_S", "120")))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    try:
+        mesh = build_mesh(pcfg, device.type) if world > 1 else None
+        torch.manual_seed(tcfg.seed)
+        model = build_model(mcfg, seed=tcfg.seed, device=device)
+        if tcfg.dtype == "bfloat16":
+            model = model.to(torch.bfloat16)
+        model = parallelize(model, pcfg, mesh)
+        params = list(model.parameters())
+        local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+        events.emit("start", pid=os.getpid(), world_size=world, layout=pcfg.describe(),
+                    local_params=local_params, n_params=mcfg.n_params, device=str(device))
+
+        opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95),
+                                foreach=False)
+        dataset = make_dataset(tcfg.data, mcfg.vocab_size, tcfg.seq_len, tcfg.seed)
+        dp = pcfg.dp
+        d_rank = dp_rank(pcfg, rank)
+        micro = tcfg.local_micro_batch(dp)
+        accum = tcfg.grad_accum(dp)
+        tokens_per_step = tcfg.global_batch * tcfg.seq_len
+        fail_rank = (job.fail_at or {}).get("rank")
+        fail_step = (job.fail_at or {}).get("step")
+
+        for step in range(tcfg.steps):
+            if fail_rank == rank and fail_step == step:
+                raise RuntimeError(f"injected failure on rank {rank} at step {step} (fail_at test hook)")
+            t0 = time.perf_counter()
+            lr = tcfg.lr * min(1.0, (step + 1) / tcfg.warmup_steps) if tcfg.warmup_steps else tcfg.lr
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=device)
+            for m, (x, y) in enumerate(micro_batches(dataset, step, tcfg.global_batch, d_rank, dp, micro)):
+                last = m == accum - 1
+                sync = nullcontext()
+                if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: skip reduce-scatter until last
+                    model.set_requires_gradient_sync(last)
+                elif hasattr(model, "no_sync") and not last:  # DDP
+                    sync = model.no_sync()
+                with sync:
+                    logits = model(x.to(device))
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten()) / accum
+                    loss.backward()
+                loss_sum += loss.detach()
+            gnorm = clip_grads_(params, tcfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            # The mean over all ranks equals the mean over dp ranks: tp ranks hold identical losses.
+            if world > 1:
+                dist.all_reduce(loss_sum)
+                loss_sum /= world
+            loss_value = float(loss_sum)
+            dt = time.perf_counter() - t0
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss became {loss_value} at step {step}; lower lr (now {tcfg.lr})")
+            events.emit("step", step=step, loss=loss_value, tokens_per_s=tokens_per_step / dt,
+                        step_time_s=dt, mem_bytes=_mem_bytes(device), grad_norm=gnorm, lr=lr)
+        events.emit("end", steps=tcfg.steps)
+        # Tear down together: a rank that destroys its gloo pairs while a peer still uses them
+        # aborts the peer at exit ("terminate called without an active exception").
+        if world > 1:
+            dist.barrier()
+    finally:
+        events.close()
+        dist.destroy_process_group()
