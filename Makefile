@@ -8,6 +8,8 @@ STAMP := $(VENV)/.workbench-installed
 LAB_IP ?= 127.0.0.1
 LAB_PORT ?= 8888
 PYTEST_ARGS ?=
+# JupyterLab refuses root unless told; containers and CI machines often run as root.
+LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab test install browser clean
 
@@ -29,7 +31,7 @@ browser:
 
 lab: $(STAMP)
 	@echo "Starting JupyterLab on notebooks/ -- open the http://$(LAB_IP):$(LAB_PORT)/lab?token=... URL printed below"
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --no-browser --ip=$(LAB_IP) --port=$(LAB_PORT) --ServerApp.root_dir=notebooks
+	$(VENV)/bin/jupyter lab --no-browser --ip=$(LAB_IP) --port=$(LAB_PORT) --ServerApp.root_dir=notebooks $(LAB_ROOT_FLAG)
 
 test: $(STAMP) browser
 	$(PY) -m pytest $(PYTEST_ARGS)

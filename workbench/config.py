@@ -72,10 +72,19 @@ class ModelConfig(_JsonMixin):
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    # Mixture of experts: 0 = dense SwiGLU. Otherwise every layer's feed-forward is n_experts SwiGLU
+    # experts of ffn_hidden each, and a router sends each token to its top_k experts.
+    n_experts: int = 0
+    top_k: int = 2
+    router_aux_coef: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
             _positive_int(name, getattr(self, name))
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"n_experts={self.n_experts!r} must be 0 (dense) or a positive integer")
+        if self.n_experts and not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_experts):
+            raise ValueError(f"top_k={self.top_k!r} must be between 1 and n_experts={self.n_experts}")
         if self.dim % self.n_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} does not divide dim={self.dim}; "
@@ -101,6 +110,8 @@ class ModelConfig(_JsonMixin):
         kv = self.n_kv_heads * self.head_dim
         attn = self.dim * self.dim * 2 + self.dim * kv * 2
         ffn = 3 * self.dim * self.ffn_hidden
+        if self.n_experts:
+            ffn = self.n_experts * ffn + self.dim * self.n_experts  # experts + router
         per_layer = attn + ffn + 2 * self.dim
         emb = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
@@ -156,6 +167,9 @@ PRESETS: dict[str, ModelConfig] = {
     # Llama-2 shapes, for planning (they are far too large to train on a CPU).
     "llama-7b": ModelConfig("llama-7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden=11008, vocab_size=32000, max_seq_len=4096),
     "llama-70b": ModelConfig("llama-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672, vocab_size=32000, max_seq_len=4096),
+    # Mixture of experts: a CPU-trainable one, and Mixtral-8x7B shapes for planning.
+    "tiny-moe": ModelConfig("tiny-moe", dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=256, vocab_size=256, max_seq_len=512, n_experts=4, top_k=2),
+    "moe-8x7b": ModelConfig("moe-8x7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=32000, max_seq_len=4096, n_experts=8, top_k=2, rope_theta=1e6),
 }
 
 

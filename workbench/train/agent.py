@@ -8,12 +8,12 @@ signal, not a peer that merely lost its connection to the dead rank) and write a
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
 
 from workbench.train.events import LAUNCHER_RANK, EventWriter, read_events
+from workbench.train.lifeline import follow_parent
 
 # Messages a healthy rank raises when a peer dies under it: they are consequences, not causes.
 _PEER_LOSS = (
@@ -30,13 +30,6 @@ _PEER_LOSS = (
 def _is_secondary(message: str) -> bool:
     text = message.lower()
     return any(p in text for p in _PEER_LOSS)
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def describe_exit(exitcode: int) -> str:
@@ -71,7 +64,7 @@ def root_cause(failures: dict[int, object], errors: dict[int, dict]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     run_dir, nproc = argv[0], int(argv[1])
-    _die_with_parent()
+    follow_parent(signal.SIGTERM)  # torchrun turns SIGTERM into stopping every rank
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
 
     from torch.distributed.elastic.multiprocessing.api import SignalException

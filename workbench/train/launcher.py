@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import pandas as pd
 
 from workbench.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, resolve_model, validate
-from workbench.train.events import LAUNCHER_RANK, EventReader, follow, read_events
+from workbench.train.events import LAUNCHER_RANK, EventReader, follow
 
 
 class RunFailed(RuntimeError):
@@ -74,7 +74,10 @@ class Run:
     def __init__(self, job: JobConfig, run_dir: Path, proc: subprocess.Popen, log_path: Path):
         self.job, self.run_dir, self._proc, self.log_path = job, run_dir, proc, log_path
         self.nproc = job.parallel.world_size
-        self._started = time.time()
+        self.started_at = time.time()
+        self._stop_requested = False
+        self._reader = EventReader(run_dir)
+        self._events: list[dict[str, Any]] = []
         # If the Run is garbage-collected or the kernel exits, the ranks go with it.
         self._finalizer = weakref.finalize(self, _terminate_group, proc, 2.0)
 
@@ -97,12 +100,21 @@ class Run:
         if not self.done:
             return "running"
         end = self._run_end()
+        if end is not None and end["status"] == "succeeded":
+            return "succeeded"
+        if self._stop_requested:  # also when torchrun was stopped before it could say so itself
+            return "stopped"
         if end is not None:
             return end["status"]
         return "succeeded" if self.returncode == 0 else "failed"
 
+    def _all_events(self) -> list[dict[str, Any]]:
+        """Every event so far; reads only what was appended since the last call."""
+        self._events.extend(self._reader.read_new())
+        return self._events
+
     def _run_end(self) -> dict[str, Any] | None:
-        for e in reversed(read_events(self.run_dir)):
+        for e in reversed(self._all_events()):
             if e["type"] == "run_end" and e["rank"] == LAUNCHER_RANK:
                 return e
         return None
@@ -143,6 +155,8 @@ class Run:
 
     def stop(self, grace_s: float = 5.0) -> "Run":
         """Stop every rank (SIGTERM to torchrun, which stops its workers; SIGKILL after ``grace_s``)."""
+        if not self.done:
+            self._stop_requested = True
         _terminate_group(self._proc, grace_s)
         return self
 
@@ -150,7 +164,7 @@ class Run:
     @property
     def metrics(self) -> pd.DataFrame:
         """One row per (rank, step): loss, tokens_per_s, step_time_s, mem_bytes, grad_norm, lr, time."""
-        rows = [e for e in read_events(self.run_dir) if e["type"] == "step"]
+        rows = [e for e in self._all_events() if e["type"] == "step"]
         cols = ["rank", "step", "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr", "time"]
         if not rows:
             return pd.DataFrame(columns=cols)
@@ -221,7 +235,50 @@ def build_job(
     validate(mcfg, pcfg)  # model-shape problems first: they don't depend on nproc
     pcfg = pcfg.resolved(nproc)
     validate(mcfg, pcfg, tcfg)
-    return JobConfig(model=mcfg, parallel=pcfg, train=tcfg)
+    job = JobConfig(model=mcfg, parallel=pcfg, train=tcfg)
+    check_fits_in_memory(job)
+    return job
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits_in_memory(job: JobConfig, available: int | None = None) -> None:
+    """Refuse a job whose training state cannot fit in this machine's memory, before starting it.
+
+    Each rank holds its shard of fp32 weights, gradients and Adam's two moments (16 bytes/param), and
+    every rank's model is first built whole (4 bytes/param) before it is sharded. Activations are
+    extra; this is a floor, meant to catch "llama-70b on a laptop", not to plan memory.
+    """
+    if torch_cuda_available():
+        return  # device memory is checked by the allocator, with a clear OOM message
+    available = _available_memory_bytes() if available is None else available
+    if available is None:
+        return
+    p = job.parallel
+    n = job.model.n_params
+    per_rank = n * 16 // (p.dp_shard * p.tp) + n * 4
+    need = per_rank * p.world_size
+    if need > 0.9 * available:
+        raise ValueError(
+            f"{job.model.name} ({n / 1e9:.2f}B params) needs at least {need / 2**30:.1f} GiB for weights, "
+            f"grads and optimizer state on {p.world_size} local rank(s), but {available / 2**30:.1f} GiB is "
+            f"available; choose a smaller model (e.g. tiny or small)"
+        )
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def launch(

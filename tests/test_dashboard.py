@@ -1,0 +1,184 @@
+"""RunDashboard without a browser: real runs through torchrun, read back from the widgets' state."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from workbench.config import PRESETS
+from workbench.widgets import RunDashboard, plot_losses
+
+
+@pytest.fixture
+def dashboards(tmp_path):
+    """Make dashboards whose runs land in tmp_path; stop whatever is still running afterwards."""
+    made: list[RunDashboard] = []
+
+    def make(**kwargs) -> RunDashboard:
+        dash = RunDashboard(out_root=tmp_path / "runs", **kwargs)  # made on the first launch
+        made.append(dash)
+        return dash
+
+    yield make
+    for dash in made:
+        for run in dash.runs:
+            run.stop(grace_s=2)
+
+
+def _trace_points(fig) -> dict[str, int]:
+    return {t.name: len(t.x) for t in fig.data}
+
+
+def test_constructor_sets_controls_and_displays(dashboards):
+    dash = dashboards(preset="tiny", nproc=2, tp=2, sequence_parallel=True, steps=7, global_batch=4, seed=3,
+                      data="text")
+    assert dash.settings == {"model": "tiny", "nproc": 2, "dp_replicate": 1, "dp_shard": -1, "tp": 2,
+                             "sequence_parallel": True, "steps": 7, "global_batch": 4, "seed": 3, "data": "text"}
+    assert dash.run is None and dash.runs == []
+    # Trainable presets come first, smallest first, and tiny is the default.
+    names = [value for _, value in dash.controls["preset"].options]
+    assert names[:2] == ["tiny", "small"] and set(names) == set(PRESETS)
+    assert RunDashboard().controls["preset"].value == "tiny"
+    # Evaluating the object in a notebook shows the widget.
+    bundle = dash._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == dash.widget.model_id
+    assert dash.error_panel.layout.display == "none"
+    with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
+        RunDashboard(preset="gpt5")
+
+
+def test_nproc_defaults_to_the_product_of_the_degrees(dashboards):
+    assert dashboards(dp_replicate=2, tp=2).controls["nproc"].value == 4
+    assert dashboards(dp_shard=2).controls["nproc"].value == 2
+    assert dashboards().controls["nproc"].value == 1
+
+
+def test_config_error_shows_one_line_and_launches_nothing(dashboards, tmp_path):
+    dash = dashboards(nproc=2, tp=3, steps=2)
+    assert dash.launch() is None
+    assert dash.runs == [] and dash.run is None
+    assert list(tmp_path.iterdir()) == []  # no run directory was even created
+    assert dash.error_panel.layout.display != "none"
+    assert "tp=3 does not divide n_heads=8; choose tp in {1, 2, 4}" in dash.error_panel.value
+    assert "<pre" not in dash.error_panel.value  # a config error is one line, not a traceback
+    assert not dash.launch_button.disabled
+    with pytest.raises(RuntimeError, match="nothing was launched"):
+        dash.wait(1)
+
+    # Whatever the core rejects is shown in the core's own words.
+    dash.controls["tp"].value = 2
+    dash.controls["nproc"].value = 3
+    assert dash.launch() is None
+    assert "nproc=3 is not divisible by dp_replicate*tp*pp=2" in dash.error_panel.value
+
+
+def test_planning_only_preset_is_listed_but_not_launched(dashboards, tmp_path):
+    dash = dashboards(preset="llama-7b", steps=1)
+    assert dash.launch() is None
+    assert dash.runs == [] and list(tmp_path.iterdir()) == []
+    assert "llama-7b (6.74B params) needs at least" in dash.error_panel.value
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_live_run_fills_progress_and_one_trace_per_rank(dashboards):
+    steps = 4
+    dash = dashboards(preset="tiny", nproc=2, dp_shard=2, steps=steps)
+    run = dash.launch()
+    assert run is dash.run and dash.runs == [run]
+    assert dash.launch_button.disabled and not dash.stop_button.disabled
+    with pytest.raises(RuntimeError, match="in progress"):
+        dash.launch()
+
+    # The background thread alone (no wait()) drives the widgets while the run trains.
+    deadline = time.monotonic() + 90
+    while dash.progress.value < steps and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert dash.progress.value == steps
+
+    assert dash.wait(60) is run
+    assert run.status == "succeeded"
+    assert dash.progress.max == steps and dash.progress.bar_style == "success"
+    assert "succeeded" in dash.status.value
+    assert dash.error_panel.layout.display == "none"
+    assert not dash.launch_button.disabled and dash.stop_button.disabled
+    for fig in (dash.loss_fig, dash.tps_fig):
+        assert _trace_points(fig) == {"tiny dp_shard=2 r0": steps, "tiny dp_shard=2 r1": steps}
+    r0 = next(t for t in dash.loss_fig.data if t.name.endswith("r0"))
+    assert list(r0.x) == list(range(steps))
+    assert list(r0.y) == pytest.approx(run.losses(rank=0))
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_failed_rank_and_its_traceback_show_in_the_error_panel(dashboards):
+    dash = dashboards(preset="tiny", nproc=2, dp_shard=2, steps=5)
+    run = dash.launch(fail_at={"rank": 1, "step": 2})
+    dash.wait(90)
+    assert run.status == "failed"
+    panel = dash.error_panel.value
+    assert dash.error_panel.layout.display != "none"
+    assert "rank 1 failed" in panel
+    assert "injected failure on rank 1 at step 2" in panel
+    assert "<pre" in panel and "Traceback (most recent call last)" in panel
+    assert "rank 1" in dash.status.value and dash.progress.bar_style == "danger"
+    assert dash.progress.value == 2  # rank 0 finished steps 0 and 1 before rank 1 raised
+    with pytest.raises(Exception, match="rank 1 failed"):
+        dash.wait(1, raise_on_error=True)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_stop_stops_a_running_job(dashboards):
+    dash = dashboards(preset="tiny", nproc=2, dp_shard=2, steps=10_000)
+    run = dash.launch()
+    deadline = time.monotonic() + 90
+    while dash.progress.value < 1 and time.monotonic() < deadline:  # it is really training
+        time.sleep(0.1)
+    assert dash.progress.value >= 1
+    dash.stop()
+    assert run.done and run.status == "stopped"
+    assert dash.wait(10) is run
+    assert dash.progress.bar_style == "warning" and "stopped" in dash.status.value
+    assert dash.error_panel.layout.display == "none"
+    assert not dash.launch_button.disabled and dash.stop_button.disabled
+
+    # Stopped while the ranks are still starting: still shown as stopped, not as a failure.
+    early = dash.launch()
+    dash.stop()
+    assert early.done and dash.wait(10) is early
+    assert "stopped" in dash.status.value and dash.error_panel.layout.display == "none"
+
+
+@pytest.mark.timeout(120)
+def test_runs_overlay_until_cleared(dashboards):
+    dash = dashboards(preset="tiny", nproc=1, steps=2)
+    first = dash.launch()
+    dash.wait(60)
+    dash.controls["seed"].value = 1
+    second = dash.launch()
+    dash.wait(60)
+    assert dash.runs == [first, second] and dash.run is second
+    assert [t.name for t in dash.loss_fig.data] == ["tiny single process r0"] * 2
+    assert [len(t.x) for t in dash.loss_fig.data] == [2, 2]
+    assert first.losses() != second.losses()  # a different seed: a different curve, kept side by side
+
+    fig = plot_losses(first, second)
+    assert [t.name for t in fig.data] == ["tiny single process"] * 2
+    assert list(fig.data[1].y) == pytest.approx(second.losses())
+
+    dash.clear()
+    assert len(dash.loss_fig.data) == 0 and len(dash.tps_fig.data) == 0
+    assert dash.runs == [first, second]  # clearing the plot forgets no run
+
+
+def test_core_never_imports_the_widget_layer():
+    code = ("import sys, workbench, workbench.cli, workbench.train.launcher; "
+            "print([m for m in sys.modules if m.split('.')[0] in ('ipywidgets', 'plotly', 'anywidget') "
+            "or m.startswith('workbench.widgets')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

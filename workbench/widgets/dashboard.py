@@ -1,0 +1,403 @@
+"""``RunDashboard``: pick a layout, launch a run, and watch every rank train, live.
+
+A thin view over :func:`workbench.launch` and :class:`workbench.Run`. It holds no training logic: the
+Launch button calls ``launch(...)`` with the control values, and a background thread reads the run's
+``events.jsonl`` (with :class:`EventReader`) every ``poll_s`` seconds and redraws::
+
+    dash = RunDashboard(preset="tiny", nproc=2, dp_shard=2, steps=10)
+    dash                     # the widget: controls, progress, loss and tokens/s per rank, errors
+    dash.launch()            # what the Launch button does; returns the Run
+    dash.wait()              # block until the run ends, still updating (for headless notebooks)
+
+Earlier runs stay in the plots, so layouts can be compared on one chart until "Clear" is pressed.
+"""
+
+from __future__ import annotations
+
+import html
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+
+from workbench.config import PRESETS
+from workbench.train.launcher import Run, RunFailed, build_job, launch
+from workbench.train.events import EventReader
+from workbench.widgets.plots import RANK_DASHES, RUN_COLORS, run_label
+
+# Presets above this size are listed last and marked: they are for planning, and the core refuses to
+# launch a model whose training state does not fit in this machine's memory (check_fits_in_memory).
+MAX_TRAINABLE_PARAMS = 200_000_000
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def _preset_options() -> list[tuple[str, str]]:
+    """Trainable presets first (smallest first), then the planning-only ones."""
+    names = sorted(PRESETS, key=lambda n: PRESETS[n].n_params)
+    trainable = [n for n in names if PRESETS[n].n_params <= MAX_TRAINABLE_PARAMS]
+    planning = [n for n in names if n not in trainable]
+    return ([(f"{n} ({_human(PRESETS[n].n_params)} params)", n) for n in trainable]
+            + [(f"{n} ({_human(PRESETS[n].n_params)}, plan only)", n) for n in planning])
+
+
+@dataclass
+class _RunView:
+    """What the dashboard draws for one run: its event reader, per-rank history and plot traces."""
+
+    run: Run
+    label: str
+    color: str
+    steps: int
+    reader: EventReader
+    history: dict[int, dict[str, list]] = field(default_factory=dict)
+    loss_traces: dict[int, Any] = field(default_factory=dict)
+    tps_traces: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, dict] = field(default_factory=dict)
+    started_ranks: set[int] = field(default_factory=set)
+    stop_requested: bool = False
+    launched_at: float = field(default_factory=time.time)
+    finished: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+
+class RunDashboard:
+    """Launch and watch training runs from a notebook. Evaluate the object to show it.
+
+    The keyword arguments set the controls' initial values; they mean what they mean to
+    :func:`workbench.launch` (``nproc`` defaults to the product of the degrees). Each run gets a fresh
+    directory under ``out_root`` (a temporary directory when None). ``poll_s`` is how often the view
+    reads new events.
+    """
+
+    def __init__(
+        self,
+        preset: str = "tiny",
+        *,
+        data: str = "synthetic",
+        nproc: int | None = None,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        tp: int = 1,
+        sequence_parallel: bool = False,
+        steps: int = 20,
+        global_batch: int = 8,
+        seed: int = 0,
+        out_root: str | Path | None = None,
+        poll_s: float = 0.2,
+    ):
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        if nproc is None:
+            nproc = dp_replicate * tp * (dp_shard if dp_shard > 0 else 1)
+        self.out_root = out_root
+        self.poll_s = poll_s
+        self.runs: list[Run] = []
+        self._views: list[_RunView] = []
+        self._lock = threading.RLock()  # the poller thread and wait() both pump; one at a time
+
+        style = {"description_width": "initial"}
+        small = widgets.Layout(width="130px")
+        self.controls: dict[str, widgets.ValueWidget] = {
+            "preset": widgets.Dropdown(options=_preset_options(), value=preset, description="model",
+                                       style=style, layout=widgets.Layout(width="260px")),
+            "data": widgets.Dropdown(options=["synthetic", "text"], value=data, description="data",
+                                     style=style, layout=widgets.Layout(width="180px")),
+            "nproc": widgets.BoundedIntText(nproc, min=1, max=1024, description="nproc", style=style, layout=small),
+            "dp_replicate": widgets.BoundedIntText(dp_replicate, min=1, max=1024, description="dp_replicate",
+                                                   style=style, layout=widgets.Layout(width="150px")),
+            "dp_shard": widgets.BoundedIntText(dp_shard, min=-1, max=1024, description="dp_shard",
+                                               tooltip="-1: whatever nproc leaves over", style=style,
+                                               layout=widgets.Layout(width="140px")),
+            "tp": widgets.BoundedIntText(tp, min=1, max=1024, description="tp", style=style,
+                                         layout=widgets.Layout(width="100px")),
+            "sequence_parallel": widgets.Checkbox(sequence_parallel, description="sequence parallel",
+                                                  indent=False, layout=widgets.Layout(width="150px")),
+            "steps": widgets.BoundedIntText(steps, min=1, max=1_000_000, description="steps", style=style,
+                                            layout=small),
+            "global_batch": widgets.BoundedIntText(global_batch, min=1, max=1_000_000, description="global batch",
+                                                   style=style, layout=widgets.Layout(width="160px")),
+            "seed": widgets.IntText(seed, description="seed", style=style, layout=small),
+        }
+        c = self.controls
+        self.launch_button = widgets.Button(description="Launch", button_style="success", icon="play")
+        self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
+        self.clear_button = widgets.Button(description="Clear", icon="eraser",
+                                           tooltip="remove earlier runs from the plots")
+        self.launch_button.on_click(lambda _: self.launch())
+        self.stop_button.on_click(lambda _: self.stop())
+        self.clear_button.on_click(lambda _: self.clear())
+        self.progress = widgets.IntProgress(value=0, min=0, max=steps, description="rank 0",
+                                            style=style, layout=widgets.Layout(width="320px"))
+        self.status = widgets.HTML("idle")
+        self.error_panel = widgets.HTML("", layout=widgets.Layout(display="none", width="100%"))
+        self.loss_fig = self._figure("Loss per step", "loss")
+        self.tps_fig = self._figure("Throughput per step", "tokens/s")
+
+        self.widget = widgets.VBox([
+            widgets.HBox([c["preset"], c["data"], c["steps"], c["global_batch"], c["seed"]]),
+            widgets.HBox([c["nproc"], c["dp_replicate"], c["dp_shard"], c["tp"], c["sequence_parallel"]]),
+            widgets.HBox([self.launch_button, self.stop_button, self.clear_button, self.progress, self.status]),
+            self.error_panel,
+            widgets.HBox([self.loss_fig, self.tps_fig], layout=widgets.Layout(flex_flow="row wrap")),
+        ])
+
+    # -- what the view shows ----------------------------------------------------------------------
+    @staticmethod
+    def _figure(title: str, ytitle: str) -> go.FigureWidget:
+        return go.FigureWidget(layout={
+            "title": title, "xaxis": {"title": "step"}, "yaxis": {"title": ytitle},
+            "height": 380, "width": 520, "margin": {"l": 60, "r": 10, "t": 50, "b": 40},
+            "legend": {"orientation": "h", "yanchor": "top", "y": -0.18, "font": {"size": 10}},
+        })
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        bundle["text/plain"] = repr(self)
+        return bundle
+
+    def __repr__(self) -> str:
+        state = self.run.status if self.run is not None else "idle"
+        return f"RunDashboard(preset={self.controls['preset'].value!r}, runs={len(self.runs)}, status={state})"
+
+    @property
+    def run(self) -> Run | None:
+        """The most recently launched run, or None."""
+        return self.runs[-1] if self.runs else None
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The control values, as keyword arguments of :func:`workbench.launch` (``model`` first)."""
+        c = self.controls
+        return {
+            "model": c["preset"].value,
+            "nproc": c["nproc"].value,
+            "dp_replicate": c["dp_replicate"].value,
+            "dp_shard": c["dp_shard"].value,
+            "tp": c["tp"].value,
+            "sequence_parallel": c["sequence_parallel"].value,
+            "steps": c["steps"].value,
+            "global_batch": c["global_batch"].value,
+            "seed": c["seed"].value,
+            "data": c["data"].value,
+        }
+
+    # -- actions ----------------------------------------------------------------------------------
+    def launch(self, *, fail_at: dict[str, int] | None = None) -> Run | None:
+        """Launch a run with the current settings and start following it.
+
+        An invalid setting is shown in the error panel (one line) and nothing is launched: returns None.
+        ``fail_at={"rank": r, "step": s}`` is the core's test hook (that rank raises at that step).
+        """
+        if self.run is not None and not self.run.done:
+            raise RuntimeError("a run is in progress; stop it or wait for it before launching another")
+        settings = self.settings
+        model = settings.pop("model")
+        try:
+            job = build_job(model, **settings)  # includes the core's memory check
+        except ValueError as exc:
+            self._show_error("Invalid configuration", str(exc))
+            self.status.value = "not launched"
+            return None
+        out = None
+        if self.out_root is not None:
+            Path(self.out_root).mkdir(parents=True, exist_ok=True)
+            out = tempfile.mkdtemp(prefix=f"run{len(self.runs):03d}-{model}-", dir=self.out_root)
+        run = launch(model, out=out, fail_at=fail_at, **settings)
+
+        index = len(self._views)
+        view = _RunView(run=run, label=run_label(run), color=RUN_COLORS[index % len(RUN_COLORS)],
+                        steps=job.train.steps, reader=EventReader(run.run_dir))
+        with self._lock:
+            # Earlier runs become wide, faint bands, so a new curve that lands on one stays visible.
+            for earlier in self._views:
+                for trace in (*earlier.loss_traces.values(), *earlier.tps_traces.values()):
+                    trace.line.width, trace.opacity = 6, 0.35
+            self.runs.append(run)
+            self._views.append(view)
+            self._hide_error()
+            self.progress.max, self.progress.value, self.progress.bar_style = view.steps, 0, ""
+            self.status.value = self._progress_text(view)
+            self.launch_button.disabled, self.stop_button.disabled = True, False
+        view.thread = threading.Thread(target=self._follow, args=(view,), daemon=True,
+                                       name=f"RunDashboard-{index}")
+        view.thread.start()
+        return run
+
+    def stop(self) -> Run | None:
+        """Stop the current run (every rank) and show it as stopped."""
+        view = self._views[-1] if self._views else None
+        if view is None or view.run.done:
+            return self.run
+        view.stop_requested = True
+        self.stop_button.disabled = True
+        self.status.value = "stopping…"
+        view.run.stop()
+        self._pump(view)
+        return view.run
+
+    def wait(self, timeout: float | None = None, raise_on_error: bool = False) -> Run:
+        """Block until the current run ends, updating the widgets meanwhile; returns the Run.
+
+        A failure is shown in the error panel; ``raise_on_error=True`` also raises :class:`RunFailed`.
+        On timeout the run is stopped and TimeoutError is raised (as :meth:`Run.wait` does).
+        """
+        if not self._views:
+            raise RuntimeError("nothing was launched; see the error panel" if self.error_panel.value
+                               else "nothing was launched; call launch() first")
+        view = self._views[-1]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                self._pump(view)
+                if view.finished.is_set():
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"run in {view.run.run_dir} did not finish within {timeout} s; it was stopped")
+                view.finished.wait(self.poll_s)
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        if view.thread is not None:
+            view.thread.join(timeout=5)
+        err = view.run.error
+        if raise_on_error and err is not None:
+            raise RunFailed(err.rank, err.message, err.traceback, str(view.run.run_dir))
+        return view.run
+
+    def clear(self) -> None:
+        """Remove earlier runs from the plots (a run still going stays)."""
+        with self._lock:
+            keep = [v for v in self._views if not v.finished.is_set()]
+            for v in self._views:
+                if v not in keep:
+                    v.loss_traces.clear()
+                    v.tps_traces.clear()
+            for fig, attr in ((self.loss_fig, "loss_traces"), (self.tps_fig, "tps_traces")):
+                kept = [t for v in keep for t in getattr(v, attr).values()]
+                fig.data = [t for t in fig.data if any(t is k for k in kept)]
+
+    # -- following a run --------------------------------------------------------------------------
+    def _follow(self, view: _RunView) -> None:
+        reported = False
+        while not view.finished.is_set():
+            try:
+                self._pump(view)
+            except Exception as exc:  # a view bug must not pass silently, nor kill the run
+                if not reported:
+                    self.status.value = f"dashboard update failed: {html.escape(repr(exc))}"
+                    reported = True
+                if view.run.done:  # nothing more will come; don't spin forever
+                    view.finished.set()
+            view.finished.wait(self.poll_s)
+
+    def _pump(self, view: _RunView) -> None:
+        """Read the events written since the last call and redraw. Safe to call from any thread."""
+        with self._lock:
+            if view.finished.is_set():
+                return
+            done = view.run.done  # checked before reading, so a finished run's last events are drained
+            events = view.reader.read_new()
+            touched: set[int] = set()
+            for e in events:
+                kind, rank = e.get("type"), e.get("rank")
+                if kind == "step":
+                    h = view.history.setdefault(rank, {"step": [], "loss": [], "tps": []})
+                    h["step"].append(e["step"])
+                    h["loss"].append(e["loss"])
+                    h["tps"].append(e["tokens_per_s"])
+                    touched.add(rank)
+                elif kind == "start":
+                    view.started_ranks.add(rank)
+                elif kind == "error":
+                    view.errors.setdefault(rank, e)
+            if touched:
+                self._redraw(view, touched)
+            if view is self._views[-1]:
+                self._show_progress(view)
+            if done:
+                self._finish(view)
+
+    def _redraw(self, view: _RunView, ranks: set[int]) -> None:
+        for fig, key, traces in ((self.loss_fig, "loss", view.loss_traces), (self.tps_fig, "tps", view.tps_traces)):
+            with fig.batch_update():
+                for rank in sorted(ranks):
+                    h = view.history[rank]
+                    if rank not in traces:
+                        fig.add_scatter(
+                            mode="lines+markers", name=f"{view.label} r{rank}", legendgroup=view.label,
+                            line={"color": view.color, "dash": RANK_DASHES[rank % len(RANK_DASHES)]},
+                            marker={"size": 4},
+                        )
+                        traces[rank] = fig.data[-1]
+                    traces[rank].x = tuple(h["step"])
+                    traces[rank].y = tuple(h[key])
+
+    def _progress_text(self, view: _RunView) -> str:
+        """One line of HTML: how far rank 0 is, its latest loss and throughput, and any rank's error."""
+        h = view.history.get(0)
+        if not h or not h["step"]:
+            if view.started_ranks:
+                return f"{len(view.started_ranks)}/{view.run.nproc} rank(s) started; building the model…"
+            return f"starting {view.run.nproc} rank(s): {html.escape(view.label)}"
+        text = f"step {h['step'][-1] + 1}/{view.steps} · loss {h['loss'][-1]:.4f} · {h['tps'][-1]:,.0f} tokens/s"
+        if view.errors:
+            rank = min(view.errors, key=lambda r: view.errors[r]["time"])
+            text += f" · rank {rank} raised {html.escape(view.errors[rank].get('message', ''))}"
+        return text
+
+    def _show_progress(self, view: _RunView) -> None:
+        h = view.history.get(0)
+        if h and h["step"]:
+            self.progress.value = min(h["step"][-1] + 1, view.steps)
+        self.status.value = self._progress_text(view)
+
+    def _finish(self, view: _RunView) -> None:
+        run = view.run
+        status = run.status
+        if view.stop_requested and status == "failed":
+            status = "stopped"  # stopped before torchrun could report it: the stop is the cause
+        elapsed = time.time() - view.launched_at
+        if view is self._views[-1]:
+            self._show_progress(view)
+            self.progress.bar_style = {"succeeded": "success", "failed": "danger", "stopped": "warning"}.get(status, "")
+            if status == "failed":
+                err = run.error
+                where = f"rank {err.rank}" if err.rank is not None else "the launcher"
+                self._show_error(f"{where} failed", err.message, err.traceback)
+                self.status.value = f"<b>failed</b> ({where}) after {elapsed:.1f} s"
+            else:
+                h = view.history.get(0)
+                detail = f" · {self._progress_text(view)}" if h and h["step"] else ""
+                self.status.value = f"<b>{status}</b> after {elapsed:.1f} s{detail}"
+            self.launch_button.disabled, self.stop_button.disabled = False, True
+        view.finished.set()
+
+    def _show_error(self, title: str, message: str, traceback: str = "") -> None:
+        body = f"<b>{html.escape(title)}</b>: {html.escape(message)}"
+        if traceback:
+            body += ("<pre style='white-space:pre-wrap;max-height:320px;overflow:auto;font-size:11px;"
+                     f"margin:4px 0 0 0'>{html.escape(traceback)}</pre>")
+        self.error_panel.value = (
+            "<div style='border-left:4px solid #d62728;background:rgba(214,39,40,0.06);padding:4px 8px'>"
+            f"{body}</div>"
+        )
+        self.error_panel.layout.display = ""
+
+    def _hide_error(self) -> None:
+        self.error_panel.value = ""
+        self.error_panel.layout.display = "none"
+
+
+__all__ = ["RunDashboard", "MAX_TRAINABLE_PARAMS"]
