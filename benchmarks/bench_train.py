@@ -51,7 +51,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp_sp": dict(nproc=2, dp_shard=1, tp=2, sequence_parallel=True),
 }
 
-
 # Environment a configuration runs under, on top of this process's (the launcher passes it to the ranks).
 ENV: dict[str, dict[str, str]] = {"single_1thread": {"OMP_NUM_THREADS": "1"}}
 
@@ -203,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     if machine.get("loadavg_1m_at_start", 0) > 0.5 * (os.cpu_count() or 1):
         _log(f"warning: load average {machine['loadavg_1m_at_start']} on {os.cpu_count()} cores; "
-             "other processes will skew these figures")
+             "if other processes keep the CPU busy the figures are skewed (each run reports other_cpu_share)")
     results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     discarded: dict[str, int] = {n: 0 for n in names}
     t_start = time.time()

@@ -36,23 +36,26 @@ def test_constructor_sets_controls_and_displays(dashboards):
     dash = dashboards(preset="tiny", nproc=2, tp=2, sequence_parallel=True, steps=7, global_batch=4, seed=3,
                       data="text")
     assert dash.settings == {"model": "tiny", "nproc": 2, "dp_replicate": 1, "dp_shard": -1, "tp": 2,
-                             "sequence_parallel": True, "steps": 7, "global_batch": 4, "seed": 3, "data": "text"}
+                             "sequence_parallel": True, "pp": 1, "pp_schedule": "1F1B", "microbatches": None,
+                             "ep": 1, "steps": 7, "global_batch": 4, "seed": 3, "data": "text"}
     assert dash.run is None and dash.runs == []
     # Trainable presets come first, smallest first, and tiny is the default.
     names = [value for _, value in dash.controls["preset"].options]
-    assert names[:2] == ["tiny", "small"] and set(names) == set(PRESETS)
+    assert names[:3] == ["tiny", "tiny-moe", "small"] and set(names) == set(PRESETS)
     assert RunDashboard().controls["preset"].value == "tiny"
     # Evaluating the object in a notebook shows the widget.
     bundle = dash._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == dash.widget.model_id
     assert dash.error_panel.layout.display == "none"
+    assert dash.timeline_box.layout.display == "none" and dash.experts_box.layout.display == "none"
     with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
         RunDashboard(preset="gpt5")
 
 
 def test_nproc_defaults_to_the_product_of_the_degrees(dashboards):
     assert dashboards(dp_replicate=2, tp=2).controls["nproc"].value == 4
+    assert dashboards(pp=2, tp=2).controls["nproc"].value == 4
     assert dashboards(dp_shard=2).controls["nproc"].value == 2
     assert dashboards().controls["nproc"].value == 1
 
@@ -111,6 +114,7 @@ def test_live_run_fills_progress_and_one_trace_per_rank(dashboards):
     r0 = next(t for t in dash.loss_fig.data if t.name.endswith("r0"))
     assert list(r0.x) == list(range(steps))
     assert list(r0.y) == pytest.approx(run.losses(rank=0))
+    assert dash.timeline_box.layout.display == "none"  # no pipeline, no timeline
 
 
 @pytest.mark.multirank

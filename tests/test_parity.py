@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 
 import workbench
+from parity import LOSS_TOL, assert_matches_reference  # tests/parity.py
 
 pytestmark = pytest.mark.multirank
 
 STEPS, SEED = 5, 7
-LOSS_TOL, LOSS0_TOL, GNORM0_RTOL = 1e-3, 1e-5, 1e-4
 TIMEOUT_S = 150  # a hang fails here, not at the CI limit
 
 LAYOUTS = {
@@ -48,15 +48,7 @@ def test_layout_matches_single_process(name, reference, tmp_path_factory):
     assert sorted(df["rank"].unique()) == list(range(nproc))
     assert (df.groupby("rank").size() == STEPS).all()
     ref = reference.set_index("step")
-    for rank, g in df.groupby("rank"):
-        g = g.set_index("step")
-        diff = (g["loss"] - ref["loss"]).abs()
-        assert diff.max() <= LOSS_TOL, f"{name} rank {rank}: loss differs by {diff.max():.2e} (> {LOSS_TOL})"
-        assert diff.loc[0] <= LOSS0_TOL, f"{name}: step-0 loss differs by {diff.loc[0]:.2e}"
-        g0, r0 = g["grad_norm"].loc[0], ref["grad_norm"].loc[0]
-        assert abs(g0 - r0) <= GNORM0_RTOL * r0, f"{name}: step-0 grad norm {g0} vs {r0}"
-    # The loss is the global-batch mean: every rank reports the same value.
-    assert df.groupby("step")["loss"].nunique().max() == 1
+    assert_matches_reference(df, ref, name)
     assert ref["loss"].iloc[-1] < ref["loss"].iloc[0]
 
 

@@ -43,6 +43,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp-shard", type=int, default=-1, help="sharded data-parallel degree (FSDP2); -1 = the rest of nproc")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE models; taken from --dp-shard)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages over ranks, outermost)")
+    p.add_argument("--pp-schedule", choices=["GPipe", "1F1B", "Interleaved1F1B", "GPipeLean"], default="1F1B",
+                   help="pipeline schedule (GPipeLean: GPipe that frees outputs and buffers early)")
+    p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches per step (default: pp)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step, whatever the layout")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per forward (gradient accumulation)")
@@ -51,6 +56,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--data", choices=["synthetic", "text"], default="synthetic")
+    p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
+                   help="bf16 compute with fp32 master weights and optimizer state")
+    p.add_argument("--ac", choices=["none", "full", "selective"], default="none",
+                   help="activation checkpointing: every block (full) or every --ac-every-th (selective)")
+    p.add_argument("--ac-every", type=int, default=2, help="selective checkpointing: every K-th block")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=3,
+                   help="ZeRO stage of --dp-shard: 0 DDP, 1 +sharded optimizer, 2 FSDP2 no reshard, 3 FSDP2")
     p.add_argument("--out", default=None, help="run directory (default: ./runs/<time>)")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of progress")
@@ -64,7 +76,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         nproc=args.nproc, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp,
         sequence_parallel=args.sp, steps=args.steps, global_batch=args.global_batch,
         micro_batch=args.micro_batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-        dtype=args.dtype, data=args.data,
+        dtype=args.dtype, data=args.data, mixed_precision=args.mixed_precision,
+        activation_checkpointing=args.ac, ac_every=args.ac_every, zero=args.zero,
+        ep=args.ep, pp=args.pp, pp_schedule=args.pp_schedule, microbatches=args.microbatches,
     )
     try:
         build_job(args.model, **settings)  # validate before anything is created or started

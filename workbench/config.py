@@ -191,12 +191,15 @@ def resolve_model(model: "str | Path | ModelConfig | dict") -> ModelConfig:
 # Parallel layout
 # --------------------------------------------------------------------------------------------------
 
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+# GPipeLean: GPipe that frees each microbatch's stage outputs once sent and its buffers once backward ran.
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "GPipeLean")
+PP_INTERLEAVED_STAGES_PER_RANK = 2  # virtual stages per pp rank under Interleaved1F1B
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
 class ParallelConfig(_JsonMixin):
-    """Degrees of each parallelism. ``world_size`` is their product (ep borrows from dp_shard x tp).
+    """Degrees of each parallelism. ``world_size`` is their product (ep borrows from dp_shard).
 
     ``dp_shard=-1`` means "whatever is left": it is resolved against ``nproc`` by :meth:`resolved`.
     """
@@ -209,8 +212,13 @@ class ParallelConfig(_JsonMixin):
     sequence_parallel: bool = False
     pp_schedule: str = "1F1B"
     microbatches: int | None = None
+    # ZeRO stage of the dp_shard dimension: 0 = DDP, 1 = DDP + sharded optimizer state,
+    # 2 = FSDP2 keeping params gathered from forward to backward, 3 = FSDP2 resharding after forward.
+    zero: int = 3
 
     def __post_init__(self) -> None:
+        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
+            raise ValueError(f"zero={self.zero!r} is unknown; choose a ZeRO stage in {list(ZERO_STAGES)}")
         for name in ("dp_replicate", "tp", "pp", "ep"):
             _positive_int(name, getattr(self, name))
         if self.dp_shard != -1:
@@ -252,6 +260,16 @@ class ParallelConfig(_JsonMixin):
         return self.dp_replicate * self.dp_shard
 
     @property
+    def pp_stages_per_rank(self) -> int:
+        """Pipeline stages each pp rank holds: 2 (virtual stages) under Interleaved1F1B, else 1."""
+        return PP_INTERLEAVED_STAGES_PER_RANK if self.pp_schedule == "Interleaved1F1B" else 1
+
+    @property
+    def pp_microbatches(self) -> int:
+        """Pipeline microbatches per step. Default (microbatches=None): pp, the fewest that fill 1F1B."""
+        return self.microbatches or self.pp
+
+    @property
     def mesh_shape(self) -> dict[str, int]:
         """Named mesh dimensions with degree > 1, outermost first (the order ranks are laid out in)."""
         dims = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
@@ -259,6 +277,8 @@ class ParallelConfig(_JsonMixin):
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.mesh_shape.items()]
+        if self.ep > 1:  # not a mesh dimension of its own: it splits dp_shard
+            parts.append(f"ep={self.ep}")
         if self.sequence_parallel:
             parts.append("sp")
         return " x ".join(parts) if parts else "single process"
@@ -269,6 +289,8 @@ class ParallelConfig(_JsonMixin):
 # --------------------------------------------------------------------------------------------------
 
 DTYPES = ("float32", "bfloat16")
+MIXED_PRECISION = ("none", "bf16")
+AC_MODES = ("none", "full", "selective")
 DATASETS = ("synthetic", "text")
 
 
@@ -285,8 +307,14 @@ class TrainConfig(_JsonMixin):
     warmup_steps: int = 0
     grad_clip: float = 1.0
     seed: int = 0
-    dtype: str = "float32"
+    dtype: str = "float32"  # the parameter (master weight) dtype
     data: str = "synthetic"
+    # "bf16": compute in bfloat16, keep fp32 master weights, gradients reduced and Adam state in fp32.
+    mixed_precision: str = "none"
+    # Recompute activations in backward: "full" = every transformer block, "selective" = every
+    # ac_every-th block.
+    activation_checkpointing: str = "none"
+    ac_every: int = 2
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len"):
@@ -301,6 +329,21 @@ class TrainConfig(_JsonMixin):
             raise ValueError(f"grad_clip={self.grad_clip} must be >= 0 (0 turns clipping off)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown; choose one of {list(DTYPES)}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(
+                f"mixed_precision={self.mixed_precision!r} is unknown; choose one of {list(MIXED_PRECISION)}"
+            )
+        if self.mixed_precision == "bf16" and self.dtype != "float32":
+            raise ValueError(
+                f"mixed_precision='bf16' keeps float32 master weights, but dtype={self.dtype!r}; "
+                "set dtype='float32' (or mixed_precision='none' for pure bfloat16 training)"
+            )
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(
+                f"activation_checkpointing={self.activation_checkpointing!r} is unknown; "
+                f"choose one of {list(AC_MODES)}"
+            )
+        _positive_int("ac_every", self.ac_every)
         if self.data not in DATASETS:
             raise ValueError(f"data={self.data!r} is unknown; choose one of {list(DATASETS)}")
 
@@ -317,6 +360,88 @@ class TrainConfig(_JsonMixin):
 # --------------------------------------------------------------------------------------------------
 
 
+def _validate_zero(parallel: ParallelConfig) -> None:
+    """ZeRO 0/1 run DDP over the dp_shard ranks: plain tensors on a 1-D group, nothing else sharded."""
+    z = parallel.zero
+    if z >= 2 or parallel.dp_shard <= 1:
+        return  # FSDP2 handles every combination; with dp_shard=1 there is nothing to shard
+    if parallel.tp > 1:
+        raise ValueError(
+            f"zero={z} (DDP) cannot replicate tensor-parallel DTensor parameters (tp={parallel.tp}); "
+            "use zero=2 or zero=3 with tp"
+        )
+    if parallel.dp_replicate > 1:
+        raise ValueError(
+            f"zero={z} applies to dp_shard and does not combine with dp_replicate={parallel.dp_replicate}; "
+            f"use dp_replicate=1 dp_shard={parallel.dp}, or zero=2/3 for HSDP"
+        )
+    if parallel.ep > 1:
+        raise ValueError(f"zero={z} (DDP) does not support expert parallelism (ep={parallel.ep}); use zero=2 or 3")
+
+
+def _validate_pp(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig | None) -> None:
+    """Pipeline checks: enough layers per stage, enough microbatches, and a batch they divide."""
+    pp, sched, mb = parallel.pp, parallel.pp_schedule, parallel.pp_microbatches
+    if pp == 1:
+        if parallel.microbatches is not None:
+            raise ValueError(f"microbatches={parallel.microbatches} applies to pipeline parallelism; set pp > 1 "
+                             "or drop microbatches")
+        return
+    stages = pp * parallel.pp_stages_per_rank
+    if pp > model.n_layers:
+        raise ValueError(f"pp={pp} exceeds n_layers={model.n_layers}; choose pp <= {model.n_layers}")
+    if stages > model.n_layers:
+        raise ValueError(
+            f"pp_schedule={sched!r} runs {parallel.pp_stages_per_rank} stages per rank, {stages} stages for pp={pp}, "
+            f"but n_layers={model.n_layers}; choose pp <= {model.n_layers // parallel.pp_stages_per_rank} "
+            "or pp_schedule='1F1B'"
+        )
+    if model.n_experts:
+        raise ValueError(f"pp={pp} with a mixture-of-experts model ({model.name!r}, n_experts={model.n_experts}) "
+                         "is not supported yet (the router loss is not pipelined); use pp=1")
+    if model.tie_embeddings:
+        raise ValueError(f"pp={pp} puts tok_embeddings and output on different stages, so tied embeddings "
+                         f"cannot be shared; use a model with tie_embeddings=False or pp=1")
+    if sched in ("1F1B", "Interleaved1F1B") and mb < pp:
+        raise ValueError(f"microbatches={mb} < pp={pp}: {sched} needs at least pp microbatches; "
+                         f"set --microbatches {pp}")
+    if sched == "Interleaved1F1B" and mb % max(1, mb // pp):
+        raise ValueError(f"microbatches={mb}: Interleaved1F1B runs rounds of pp={pp} microbatches and needs "
+                         f"microbatches to be a multiple of {max(1, mb // pp)}; set --microbatches {mb // pp * pp}")
+    if train is None or parallel.dp_shard == -1:
+        return
+    if train.micro_batch is not None:
+        raise ValueError(f"micro_batch={train.micro_batch} with pp={pp}: the pipeline splits each batch into "
+                         "microbatches itself; drop micro_batch and set microbatches")
+    local = train.global_batch // parallel.dp
+    if train.global_batch % parallel.dp == 0 and local % mb:
+        ok = [d for d in range(1, local + 1) if local % d == 0 and (sched in ("GPipe", "GPipeLean") or d >= pp)]
+        raise ValueError(f"global_batch={train.global_batch} over dp={parallel.dp} gives {local} sequences per "
+                         f"pipeline, not divisible by microbatches={mb}; choose microbatches in "
+                         "{" + ", ".join(map(str, ok)) + "}")
+
+
+def _validate_moe(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Expert parallelism: ep ranks are carved out of dp_shard, each owning n_experts/ep experts."""
+    ep = parallel.ep
+    if model.n_experts and parallel.sequence_parallel:
+        raise ValueError(f"sequence_parallel with a mixture-of-experts model ({model.name}) is not available; "
+                         "turn sequence_parallel off (tp without sp works)")
+    if model.n_experts and parallel.pp > 1:
+        raise ValueError(f"pp={parallel.pp} with a mixture-of-experts model ({model.name}) is not available "
+                         "(the router loss is not carried across stages); use pp=1")
+    if ep == 1:
+        return
+    if not model.n_experts:
+        raise ValueError(f"ep={ep} needs a mixture-of-experts model (n_experts > 0); choose a preset like tiny-moe")
+    if model.n_experts % ep:
+        raise ValueError(f"ep={ep} does not divide n_experts={model.n_experts}; "
+                         f"choose ep in {_divisors(model.n_experts)}")
+    if parallel.dp_shard != -1 and parallel.dp_shard % ep:
+        raise ValueError(f"ep={ep} does not divide dp_shard={parallel.dp_shard}: expert-parallel ranks are taken "
+                         f"from the sharded data-parallel ranks; choose dp_shard as a multiple of {ep}")
+
+
 def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig | None = None) -> None:
     """Raise one ValueError naming the problem and the fix, or return None if the combination works."""
     tp = parallel.tp
@@ -326,18 +451,9 @@ def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig | 
     for name, size in tp_dims.items():
         if size % tp:
             raise ValueError(f"tp={tp} does not divide {name}={size}; choose tp in {_divisors(common)}")
-    if parallel.pp > 1:
-        if parallel.pp > model.n_layers:
-            raise ValueError(f"pp={parallel.pp} exceeds n_layers={model.n_layers}; choose pp <= {model.n_layers}")
-        raise ValueError(
-            f"pp={parallel.pp}: pipeline parallelism is reserved in ParallelConfig but not available in this "
-            "version; use pp=1"
-        )
-    if parallel.ep > 1:
-        raise ValueError(
-            f"ep={parallel.ep}: expert parallelism needs a mixture-of-experts model and is not available in "
-            "this version; use ep=1"
-        )
+    _validate_pp(model, parallel, train)
+    _validate_moe(model, parallel)
+    _validate_zero(parallel)
     if train is None:
         return
     if train.seq_len > model.max_seq_len:

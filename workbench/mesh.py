@@ -1,8 +1,8 @@
 """ParallelConfig -> DeviceMesh.
 
-Mesh dimensions are always ``("dp_replicate", "dp_shard", "tp")`` in that order (outermost first), so a
-rank's coordinates are ``rank = (r * dp_shard + s) * tp + t``. Dimensions of size 1 are kept: slicing
-by name then works the same for every layout.
+Mesh dimensions are always ``("pp", "dp_replicate", "dp_shard", "tp")`` in that order (outermost first), so
+a rank's coordinates are ``rank = ((p * dp_replicate + r) * dp_shard + s) * tp + t``. Dimensions of size 1
+are kept: slicing by name then works the same for every layout.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from workbench.config import ParallelConfig
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def build_mesh(parallel: ParallelConfig, device_type: str = "cpu") -> DeviceMesh:
@@ -22,10 +22,18 @@ def build_mesh(parallel: ParallelConfig, device_type: str = "cpu") -> DeviceMesh
         raise ValueError(
             f"the process group has {world} ranks but the layout {parallel.describe()} needs {parallel.world_size}"
         )
-    shape = (parallel.dp_replicate, parallel.dp_shard, parallel.tp)
+    shape = (parallel.pp, parallel.dp_replicate, parallel.dp_shard, parallel.tp)
     return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
 
 
 def dp_rank(parallel: ParallelConfig, rank: int) -> int:
-    """Index of ``rank`` among the data-parallel ranks: which slice of the global batch it reads."""
-    return rank // (parallel.tp * parallel.pp)
+    """Index of ``rank`` among the data-parallel ranks: which slice of the global batch it reads.
+
+    The pipeline stages and tp ranks of one data-parallel replica read the same slice.
+    """
+    return (rank // parallel.tp) % parallel.dp
+
+
+def pp_rank(parallel: ParallelConfig, rank: int) -> int:
+    """Index of ``rank``'s pipeline stage group (``pp`` is the outermost mesh dimension)."""
+    return rank // (parallel.dp * parallel.tp)

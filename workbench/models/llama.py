@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.config import ModelConfig
+from workbench.models.moe import MoEFeedForward
 
 
 class RMSNorm(nn.Module):
@@ -67,7 +68,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # The tables may be longer than s (they are sliced here, where the whole sequence is seen).
+        q, k = apply_rope(q, cos[:s], sin[:s]), apply_rope(k, cos[:s], sin[:s])
         # (b, heads, s, head_dim); each kv head serves n_rep query heads
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         k = k.repeat_interleave(self.n_rep, dim=1)
@@ -93,7 +95,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoEFeedForward(cfg) if cfg.n_experts else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -128,21 +130,23 @@ class Transformer(nn.Module):
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                     continue
-                s = out_std if name.endswith(("wo.weight", "w2.weight")) else std
+                s = out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        # Under sequence parallelism h holds a slice of the sequence; the rope tables follow the
-        # full length because attention sees the whole sequence after its input all-gather.
-        s = tokens.shape[1]
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        # A pipeline stage holds only some modules (torchtitan-style): without tok_embeddings the
+        # input is already hidden states; without norm/output the hidden states are returned.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # Under sequence parallelism h holds a slice of the sequence; attention slices the rope
+        # tables to the full length it sees after its input all-gather.
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+            h = layer(h, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
 
 def build_model(cfg: ModelConfig, *, seed: int | None = 0, device: str | torch.device = "cpu") -> Transformer:

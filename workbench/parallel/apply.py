@@ -4,31 +4,59 @@
     dp_shard > 1                -> FSDP2 over mesh["dp_shard"], or HSDP over (dp_replicate, dp_shard)
     dp_replicate > 1 alone      -> DDP over mesh["dp_replicate"]
     dp_replicate > 1 with tp    -> HSDP with a shard group of one: replicated DTensor-aware data parallel
+    ep > 1                      -> experts sharded over ep (carved out of dp_shard), tokens by all-to-all
+
+``ParallelConfig.zero`` picks the engine of the dp_shard dimension (0/1: DDP, 2/3: FSDP2; see
+``workbench.parallel.data``). With a TrainConfig, activation checkpointing goes on after TP and
+before data parallelism, and FSDP2 gets the mixed-precision policy.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from workbench.config import ParallelConfig
-from workbench.parallel.data import apply_ddp, apply_fsdp
+from workbench.config import ParallelConfig, TrainConfig
+from workbench.parallel.checkpointing import apply_ac
+from workbench.parallel.data import apply_ddp, apply_fsdp, zero1_optimizer
+from workbench.parallel.expert import apply_ep, expert_meshes
+from workbench.parallel.precision import fsdp_mp_policy
 from workbench.parallel.tensor import apply_tp
 
 
-def parallelize(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh | None) -> nn.Module:
+def parallelize(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh | None,
+                train: TrainConfig | None = None) -> nn.Module:
     """Apply ``parallel`` to ``model`` (in place where possible) and return the module to train."""
+    train = train or TrainConfig()
     if mesh is None or parallel.world_size == 1:
-        return model
+        return apply_ac(model, train.activation_checkpointing, train.ac_every)
     if parallel.tp > 1:
         apply_tp(model, mesh["tp"], parallel.sequence_parallel)
+    apply_ac(model, train.activation_checkpointing, train.ac_every)
+    if parallel.ep > 1:  # experts become their own FSDP2 units, before the blocks around them
+        ep_mesh, expert_dp_mesh = expert_meshes(mesh, parallel)
+        apply_ep(model, ep_mesh, expert_dp_mesh, reshard_after_forward=parallel.zero != 2,
+                 mp_policy=fsdp_mp_policy(train.mixed_precision))
+    if parallel.dp_shard > 1 and parallel.zero <= 1:
+        return apply_ddp(model, mesh["dp_shard"])
     if parallel.dp_shard > 1 or (parallel.dp_replicate > 1 and parallel.tp > 1):
         dims = ("dp_replicate", "dp_shard") if parallel.dp_replicate > 1 else ("dp_shard",)
         dp_mesh = mesh[dims]
-        return apply_fsdp(model, dp_mesh)
+        return apply_fsdp(model, dp_mesh, reshard_after_forward=parallel.zero != 2,
+                          mp_policy=fsdp_mp_policy(train.mixed_precision))
     if parallel.dp_replicate > 1:
         return apply_ddp(model, mesh["dp_replicate"])
     return model
+
+
+def build_optimizer(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh | None,
+                    **adamw_kwargs) -> torch.optim.Optimizer:
+    """AdamW over the model's (fp32 master) parameters; its state sharded over dp_shard under zero=1."""
+    params = list(model.parameters())
+    if mesh is not None and parallel.zero == 1 and parallel.dp_shard > 1:
+        return zero1_optimizer(params, mesh["dp_shard"], **adamw_kwargs)
+    return torch.optim.AdamW(params, **adamw_kwargs)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

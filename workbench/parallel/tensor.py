@@ -70,8 +70,14 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Shard ``model`` in place over the 1-D ``tp_mesh``."""
-    parallelize_module(model, tp_mesh, root_plan(sequence_parallel))
+    """Shard ``model`` in place over the 1-D ``tp_mesh``. A pipeline stage may lack root modules."""
+    plan = {k: v for k, v in root_plan(sequence_parallel).items() if getattr(model, k, None) is not None}
+    parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+        plan = block_plan(sequence_parallel)
+        if not hasattr(block.feed_forward, "w1"):
+            # Mixture of experts: router and experts stay whole on every tp rank, which all see the
+            # same tokens (see workbench.parallel.expert); only attention is sharded.
+            plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
+        parallelize_module(block, tp_mesh, plan)
     return model

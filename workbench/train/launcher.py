@@ -163,13 +163,17 @@ class Run:
     # -- results ------------------------------------------------------------------------------
     @property
     def metrics(self) -> pd.DataFrame:
-        """One row per (rank, step): loss, tokens_per_s, step_time_s, mem_bytes, grad_norm, lr, time."""
+        """One row per (rank, step): loss, tokens_per_s, step_time_s, mem_bytes, grad_norm, lr, time, and any
+        layout-specific fields (``peak_mem_bytes`` for pipeline runs, ``aux_loss`` for mixture of experts)."""
         rows = [e for e in self._all_events() if e["type"] == "step"]
         cols = ["rank", "step", "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr", "time"]
         if not rows:
             return pd.DataFrame(columns=cols)
         df = pd.DataFrame(rows)
-        return df[[c for c in cols if c in df.columns]].sort_values(["step", "rank"]).reset_index(drop=True)
+        # the fixed columns first, then what some layouts add (peak_mem_bytes under pp, aux_loss for MoE)
+        extra = [c for c in df.columns if c not in cols and c != "type"]
+        ordered = [c for c in cols if c in df.columns] + extra
+        return df[ordered].sort_values(["step", "rank"]).reset_index(drop=True)
 
     def losses(self, rank: int = 0) -> list[float]:
         df = self.metrics
@@ -222,12 +226,18 @@ def build_job(
     dp_shard: int = -1,
     tp: int = 1,
     sequence_parallel: bool = False,
+    zero: int = 3,
+    ep: int = 1,
+    pp: int = 1,
+    pp_schedule: str = "1F1B",
+    microbatches: int | None = None,
     **train_fields: Any,
 ) -> JobConfig:
     """Resolve and validate every setting; raises one ValueError naming the fix."""
     mcfg = resolve_model(model)
     pcfg = parallel or ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-                                      sequence_parallel=sequence_parallel)
+                                      sequence_parallel=sequence_parallel, zero=zero, ep=ep,
+                                      pp=pp, pp_schedule=pp_schedule, microbatches=microbatches)
     unknown = set(train_fields) - {f for f in TrainConfig.__dataclass_fields__}
     if unknown:
         raise ValueError(f"unknown training setting(s) {sorted(unknown)}; known: {sorted(TrainConfig.__dataclass_fields__)}")
@@ -291,9 +301,10 @@ def launch(
 ) -> Run:
     """Validate, write ``RUN_DIR/config.json``, start torchrun, and return the live :class:`Run`.
 
-    ``settings`` are ParallelConfig degrees (``dp_replicate``, ``dp_shard``, ``tp``, ``sequence_parallel``)
-    or whole configs (``parallel=``, ``train=``), and TrainConfig fields (``steps``, ``global_batch``,
-    ``micro_batch``, ``seq_len``, ``lr``, ``seed``, ``dtype``, ``data``, ...).
+    ``settings`` are ParallelConfig degrees (``dp_replicate``, ``dp_shard``, ``tp``, ``sequence_parallel``,
+    ``zero``, ``pp``, ``pp_schedule``, ``microbatches``) or whole configs (``parallel=``, ``train=``), and TrainConfig fields (``steps``,
+    ``global_batch``, ``micro_batch``, ``seq_len``, ``lr``, ``seed``, ``dtype``, ``data``,
+    ``mixed_precision``, ``activation_checkpointing``, ``ac_every``, ...).
     """
     job = build_job(model, nproc=nproc, **settings)
     if fail_at is not None:

@@ -22,17 +22,22 @@ from torch.distributed.tensor import DTensor
 
 from workbench.config import JobConfig
 from workbench.mesh import build_mesh, dp_rank
+from workbench.memory.probe import PeakMemoryProbe
 from workbench.models import build_model
-from workbench.parallel.apply import parallelize
+from workbench.parallel.apply import build_optimizer, parallelize
+from workbench.parallel.pipeline import build_pipeline
+from workbench.parallel.expert import load_balancing_loss
+from workbench.parallel.precision import compute_context
 from workbench.train.data import make_dataset, micro_batches
 from workbench.train.events import EventWriter
 
 
-def grad_norm(params) -> torch.Tensor:
+def grad_norm(params, pp_group=None) -> torch.Tensor:
     """Global L2 norm of the gradients of plain tensors and DTensors on any meshes.
 
     A DTensor gradient's local sum of squares is summed over the mesh dimensions it is sharded on and
     left alone on those it is replicated on. Grads that share those dimensions share one all-reduce.
+    Pipeline stages hold different parameters, so the squares are finally summed over ``pp_group``.
     """
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     pgs: dict[tuple, list] = {}
@@ -55,7 +60,7 @@ def grad_norm(params) -> torch.Tensor:
             local = g
         device = local.device
         groups[key].append(local.detach().float().pow(2).sum())
-    if device is None:
+    if device is None and pp_group is None:
         return torch.zeros(())
     total = torch.zeros((), device=device)
     for key, parts in groups.items():
@@ -63,12 +68,14 @@ def grad_norm(params) -> torch.Tensor:
         for pg in pgs[key]:
             dist.all_reduce(s, group=pg)
         total = total + s
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
     return total.sqrt()
 
 
-def clip_grads_(params, max_norm: float) -> float:
+def clip_grads_(params, max_norm: float, pp_group=None) -> float:
     params = [p for p in params if p.grad is not None]
-    norm = grad_norm(params)
+    norm = grad_norm(params, pp_group)
     value = float(norm)
     if max_norm > 0 and value > max_norm:
         coef = max_norm / (value + 1e-6)
@@ -91,6 +98,51 @@ def _mem_bytes(device: torch.device) -> int:
     return _rss_bytes()
 
 
+def _pipeline_step(pipe, probe, model, dataset, step, tcfg, d_rank, dp, device) -> torch.Tensor:
+    """One step through the pipeline schedule, which runs every microbatch's forward and backward.
+
+    Returns this rank's loss sum: the loss on the last stage's ranks, zero elsewhere.
+    """
+    loss_sum = torch.zeros((), device=device)
+    x, y = next(micro_batches(dataset, step, tcfg.global_batch, d_rank, dp, tcfg.global_batch // dp))
+    probe.reset_peak()
+    with probe, compute_context(model[0], tcfg.mixed_precision, device.type):
+        stage_loss = pipe.step(x.to(device), y.to(device))
+    if stage_loss is not None:  # only the last stage knows the loss
+        loss_sum += stage_loss
+    return loss_sum
+
+
+def _micro_batch_step(model, dataset, step, tcfg, mcfg, d_rank, dp, micro, accum, dp_groups, device):
+    """Forward and backward over this rank's micro-batches, accumulating gradients.
+
+    Each micro-batch loss is divided by ``accum`` so the accumulated gradient is that of the mean loss;
+    gradient sync (FSDP2 reduce-scatter, DDP all-reduce) runs only on the last micro-batch.
+    Returns (loss sum, router aux-loss sum, tokens per expert) for this rank.
+    """
+    moe = mcfg.n_experts > 0
+    loss_sum = torch.zeros((), device=device)
+    aux_sum, expert_load = torch.zeros((), device=device), 0
+    for m, (x, y) in enumerate(micro_batches(dataset, step, tcfg.global_batch, d_rank, dp, micro)):
+        last = m == accum - 1
+        sync = nullcontext()
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: skip reduce-scatter until last
+            model.set_requires_gradient_sync(last)
+        elif hasattr(model, "no_sync") and not last:  # DDP
+            sync = model.no_sync()
+        with sync:
+            with compute_context(model, tcfg.mixed_precision, device.type):
+                logits = model(x.to(device))
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten()) / accum
+            aux, load = load_balancing_loss(model, dp_groups) if moe else (None, None)
+            (loss if aux is None else loss + mcfg.router_aux_coef * aux / accum).backward()
+        loss_sum += loss.detach()
+        if aux is not None:
+            aux_sum += aux.detach() / accum
+            expert_load = expert_load + load
+    return loss_sum, aux_sum, expert_load
+
+
 def train(job: JobConfig, run_dir: str) -> None:
     """Run ``job`` on this rank. Expects torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
     rank = int(os.environ.get("RANK", "0"))
@@ -109,14 +161,26 @@ def train(job: JobConfig, run_dir: str) -> None:
         model = build_model(mcfg, seed=tcfg.seed, device=device)
         if tcfg.dtype == "bfloat16":
             model = model.to(torch.bfloat16)
-        model = parallelize(model, pcfg, mesh)
+        pipe = probe = pp_group = None
+        if pcfg.pp > 1:  # this rank's pipeline stages, each parallelized (tp, ac, fsdp) like a whole model
+            pipe = build_pipeline(model, pcfg, mesh, device, lambda stage: parallelize(stage, pcfg, mesh, tcfg))
+            model = torch.nn.ModuleList(pipe.modules)
+            pp_group = mesh["pp"].get_group()
+            probe = PeakMemoryProbe(device).track(model.parameters())
+            events.emit("pipeline", schedule=pcfg.pp_schedule, microbatches=pipe.n_microbatches,
+                        stages={str(s): layers for s, layers in pipe.layers.items()})
+        else:
+            model = parallelize(model, pcfg, mesh, tcfg)
         params = list(model.parameters())
         local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+        param_dtype = ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
         events.emit("start", pid=os.getpid(), world_size=world, layout=pcfg.describe(),
-                    local_params=local_params, n_params=mcfg.n_params, device=str(device))
+                    local_params=local_params, n_params=mcfg.n_params, device=str(device),
+                    zero=pcfg.zero, mixed_precision=tcfg.mixed_precision, param_dtype=param_dtype,
+                    activation_checkpointing=tcfg.activation_checkpointing)
 
-        opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95),
-                                foreach=False)
+        opt = build_optimizer(model, pcfg, mesh, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
+                              betas=(0.9, 0.95), foreach=False)
         dataset = make_dataset(tcfg.data, mcfg.vocab_size, tcfg.seq_len, tcfg.seed)
         dp = pcfg.dp
         d_rank = dp_rank(pcfg, rank)
@@ -125,6 +189,11 @@ def train(job: JobConfig, run_dir: str) -> None:
         tokens_per_step = tcfg.global_batch * tcfg.seq_len
         fail_rank = (job.fail_at or {}).get("rank")
         fail_step = (job.fail_at or {}).get("step")
+        # Mixture of experts: the router loss counts expert load over every dp rank (one all-reduce of
+        # the counts per micro-batch), so its gradient too matches the single-process run.
+        moe = mcfg.n_experts > 0
+        dp_groups = [mesh.get_group(d) for d, n in (("dp_replicate", pcfg.dp_replicate), ("dp_shard", pcfg.dp_shard))
+                     if n > 1] if mesh is not None else []
 
         for step in range(tcfg.steps):
             if fail_rank == rank and fail_step == step:
@@ -133,32 +202,36 @@ def train(job: JobConfig, run_dir: str) -> None:
             lr = tcfg.lr * min(1.0, (step + 1) / tcfg.warmup_steps) if tcfg.warmup_steps else tcfg.lr
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss_sum = torch.zeros((), device=device)
-            for m, (x, y) in enumerate(micro_batches(dataset, step, tcfg.global_batch, d_rank, dp, micro)):
-                last = m == accum - 1
-                sync = nullcontext()
-                if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: skip reduce-scatter until last
-                    model.set_requires_gradient_sync(last)
-                elif hasattr(model, "no_sync") and not last:  # DDP
-                    sync = model.no_sync()
-                with sync:
-                    logits = model(x.to(device))
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten()) / accum
-                    loss.backward()
-                loss_sum += loss.detach()
-            gnorm = clip_grads_(params, tcfg.grad_clip)
+            if pipe is not None:
+                loss_sum = _pipeline_step(pipe, probe, model, dataset, step, tcfg, d_rank, dp, device)
+                aux_sum, expert_load = torch.zeros((), device=device), 0
+            else:
+                loss_sum, aux_sum, expert_load = _micro_batch_step(
+                    model, dataset, step, tcfg, mcfg, d_rank, dp, micro, accum, dp_groups, device)
+            gnorm = clip_grads_(params, tcfg.grad_clip, pp_group)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if probe is not None:  # optimizer state is created at step 0, outside the probe
+                probe.track(t for st in opt.state.values() for t in st.values())
             # The mean over all ranks equals the mean over dp ranks: tp ranks hold identical losses.
             if world > 1:
                 dist.all_reduce(loss_sum)
-                loss_sum /= world
+                loss_sum /= world // pcfg.pp  # under pp only the last stage's ranks hold a loss
+                if moe:
+                    dist.all_reduce(aux_sum)
+                    aux_sum /= world
             loss_value = float(loss_sum)
             dt = time.perf_counter() - t0
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss became {loss_value} at step {step}; lower lr (now {tcfg.lr})")
             events.emit("step", step=step, loss=loss_value, tokens_per_s=tokens_per_step / dt,
-                        step_time_s=dt, mem_bytes=_mem_bytes(device), grad_norm=gnorm, lr=lr)
+                        step_time_s=dt, mem_bytes=_mem_bytes(device), grad_norm=gnorm, lr=lr,
+                        **({"aux_loss": float(aux_sum)} if moe else {}),
+                        **({"peak_mem_bytes": probe.peak()} if probe is not None else {}))
+            if pipe is not None:  # measured start/end of every forward (F) and backward (B) on this rank
+                events.emit("schedule", step=step, actions=pipe.actions())
+            if moe:  # token-slots routed to each expert, per layer, over the whole global batch
+                events.emit("moe", step=step, tokens_per_expert=expert_load.tolist())
         events.emit("end", steps=tcfg.steps)
         # Tear down together: a rank that destroys its gloo pairs while a peer still uses them
         # aborts the peer at exit ("terminate called without an active exception").

@@ -4,6 +4,6 @@ The core never imports this package; importing it pulls in ipywidgets and plotly
 """
 
 from workbench.widgets.dashboard import RunDashboard
-from workbench.widgets.plots import plot_losses, run_label
+from workbench.widgets.plots import plot_losses, plot_pipeline_timeline, plot_tokens_per_expert, run_label
 
-__all__ = ["RunDashboard", "plot_losses", "run_label"]
+__all__ = ["RunDashboard", "plot_losses", "plot_pipeline_timeline", "plot_tokens_per_expert", "run_label"]

@@ -10,6 +10,9 @@ Launch button calls ``launch(...)`` with the control values, and a background th
     dash.wait()              # block until the run ends, still updating (for headless notebooks)
 
 Earlier runs stay in the plots, so layouts can be compared on one chart until "Clear" is pressed.
+A pipeline run (pp > 1) also gets a timeline of its latest complete step, drawn from the ranks'
+``schedule`` events with the measured bubble next to the theory; a mixture-of-experts run gets its
+tokens per expert. Both show the latest run only.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from workbench.config import PRESETS
+from workbench.config import PP_SCHEDULES, PRESETS
 from workbench.train.launcher import Run, RunFailed, build_job, launch
 from workbench.train.events import EventReader
-from workbench.widgets.plots import RANK_DASHES, RUN_COLORS, run_label
+from workbench.widgets.plots import (RANK_DASHES, RUN_COLORS, plot_pipeline_timeline, plot_tokens_per_expert,
+                                     run_label)
 
 # Presets above this size are listed last and marked: they are for planning, and the core refuses to
 # launch a model whose training state does not fit in this machine's memory (check_fits_in_memory).
@@ -64,6 +68,10 @@ class _RunView:
     loss_traces: dict[int, Any] = field(default_factory=dict)
     tps_traces: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, dict] = field(default_factory=dict)
+    pipeline_events: list[dict] = field(default_factory=list)  # `pipeline` + `schedule`, for the timeline
+    moe_events: list[dict] = field(default_factory=list)  # `moe` + `step` (its aux_loss)
+    timeline_step: int | None = None  # the step the timeline shows
+    moe_step: int | None = None
     started_ranks: set[int] = field(default_factory=set)
     stop_requested: bool = False
     launched_at: float = field(default_factory=time.time)
@@ -90,6 +98,10 @@ class RunDashboard:
         dp_shard: int = -1,
         tp: int = 1,
         sequence_parallel: bool = False,
+        pp: int = 1,
+        pp_schedule: str = "1F1B",
+        microbatches: int | None = None,
+        ep: int = 1,
         steps: int = 20,
         global_batch: int = 8,
         seed: int = 0,
@@ -99,7 +111,7 @@ class RunDashboard:
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
         if nproc is None:
-            nproc = dp_replicate * tp * (dp_shard if dp_shard > 0 else 1)
+            nproc = dp_replicate * tp * pp * (dp_shard if dp_shard > 0 else 1)
         self.out_root = out_root
         self.poll_s = poll_s
         self.runs: list[Run] = []
@@ -123,6 +135,16 @@ class RunDashboard:
                                          layout=widgets.Layout(width="100px")),
             "sequence_parallel": widgets.Checkbox(sequence_parallel, description="sequence parallel",
                                                   indent=False, layout=widgets.Layout(width="150px")),
+            "pp": widgets.BoundedIntText(pp, min=1, max=1024, description="pp", style=style,
+                                         layout=widgets.Layout(width="100px")),
+            "pp_schedule": widgets.Dropdown(options=list(PP_SCHEDULES), value=pp_schedule, description="schedule",
+                                            style=style, layout=widgets.Layout(width="210px")),
+            "microbatches": widgets.BoundedIntText(microbatches or 0, min=0, max=1_000_000,
+                                                   description="microbatches", tooltip="0: as many as pp",
+                                                   style=style, layout=widgets.Layout(width="160px")),
+            "ep": widgets.BoundedIntText(ep, min=1, max=1024, description="ep", tooltip="expert parallel "
+                                         "(MoE models); splits dp_shard", style=style,
+                                         layout=widgets.Layout(width="100px")),
             "steps": widgets.BoundedIntText(steps, min=1, max=1_000_000, description="steps", style=style,
                                             layout=small),
             "global_batch": widgets.BoundedIntText(global_batch, min=1, max=1_000_000, description="global batch",
@@ -143,13 +165,23 @@ class RunDashboard:
         self.error_panel = widgets.HTML("", layout=widgets.Layout(display="none", width="100%"))
         self.loss_fig = self._figure("Loss per step", "loss")
         self.tps_fig = self._figure("Throughput per step", "tokens/s")
+        # Shown only for the runs that write their events: pipeline (pp > 1) and mixture-of-experts runs.
+        self.bubble_label = widgets.HTML("")
+        self.timeline_fig = go.FigureWidget(layout={"height": 260, "width": 1040, "title": "Pipeline timeline"})
+        self.timeline_box = widgets.VBox([self.bubble_label, self.timeline_fig],
+                                         layout=widgets.Layout(display="none"))
+        self.experts_fig = go.FigureWidget(layout={"height": 340, "width": 520, "title": "Tokens per expert"})
+        self.experts_box = widgets.VBox([self.experts_fig], layout=widgets.Layout(display="none"))
 
         self.widget = widgets.VBox([
             widgets.HBox([c["preset"], c["data"], c["steps"], c["global_batch"], c["seed"]]),
             widgets.HBox([c["nproc"], c["dp_replicate"], c["dp_shard"], c["tp"], c["sequence_parallel"]]),
+            widgets.HBox([c["pp"], c["pp_schedule"], c["microbatches"], c["ep"]]),
             widgets.HBox([self.launch_button, self.stop_button, self.clear_button, self.progress, self.status]),
             self.error_panel,
             widgets.HBox([self.loss_fig, self.tps_fig], layout=widgets.Layout(flex_flow="row wrap")),
+            self.timeline_box,
+            self.experts_box,
         ])
 
     # -- what the view shows ----------------------------------------------------------------------
@@ -186,6 +218,10 @@ class RunDashboard:
             "dp_shard": c["dp_shard"].value,
             "tp": c["tp"].value,
             "sequence_parallel": c["sequence_parallel"].value,
+            "pp": c["pp"].value,
+            "pp_schedule": c["pp_schedule"].value,
+            "microbatches": c["microbatches"].value or None,
+            "ep": c["ep"].value,
             "steps": c["steps"].value,
             "global_batch": c["global_batch"].value,
             "seed": c["seed"].value,
@@ -229,6 +265,11 @@ class RunDashboard:
             self.progress.max, self.progress.value, self.progress.bar_style = view.steps, 0, ""
             self.status.value = self._progress_text(view)
             self.launch_button.disabled, self.stop_button.disabled = True, False
+            self.timeline_box.layout.display = "" if job.parallel.pp > 1 else "none"
+            self.bubble_label.value = "pipeline timeline: waiting for the first step…" if job.parallel.pp > 1 else ""
+            self.timeline_fig.data = ()
+            self.experts_box.layout.display = "none"
+            self.experts_fig.data = ()
         view.thread = threading.Thread(target=self._follow, args=(view,), daemon=True,
                                        name=f"RunDashboard-{index}")
         view.thread.start()
@@ -310,6 +351,7 @@ class RunDashboard:
             done = view.run.done  # checked before reading, so a finished run's last events are drained
             events = view.reader.read_new()
             touched: set[int] = set()
+            new_kinds: set[str] = set()
             for e in events:
                 kind, rank = e.get("type"), e.get("rank")
                 if kind == "step":
@@ -322,8 +364,18 @@ class RunDashboard:
                     view.started_ranks.add(rank)
                 elif kind == "error":
                     view.errors.setdefault(rank, e)
+                if kind in ("pipeline", "schedule"):
+                    view.pipeline_events.append(e)
+                    new_kinds.add("schedule")
+                elif kind == "moe" or (kind == "step" and "aux_loss" in e):
+                    view.moe_events.append(e)
+                    new_kinds.add("moe")
             if touched:
                 self._redraw(view, touched)
+            if view is self._views[-1] and "schedule" in new_kinds:
+                self._redraw_timeline(view)
+            if view is self._views[-1] and "moe" in new_kinds:
+                self._redraw_experts(view)
             if view is self._views[-1]:
                 self._show_progress(view)
             if done:
@@ -343,6 +395,41 @@ class RunDashboard:
                         traces[rank] = fig.data[-1]
                     traces[rank].x = tuple(h["step"])
                     traces[rank].y = tuple(h[key])
+
+    def _redraw_timeline(self, view: _RunView) -> None:
+        """Show the latest step every pipeline rank has reported (step 0, warm-up, only until step 1)."""
+        if not any(e["type"] == "schedule" for e in view.pipeline_events):
+            return
+        try:
+            fig = plot_pipeline_timeline(view.pipeline_events)
+        except ValueError:  # no step complete on every rank yet
+            return
+        meta = fig.layout.meta
+        if meta["step"] == view.timeline_step:
+            return
+        view.timeline_step = meta["step"]
+        self.timeline_fig.data = ()
+        self.timeline_fig.add_traces(list(fig.data))
+        self.timeline_fig.layout.update(fig.layout.to_plotly_json(), overwrite=True)
+        self.timeline_fig.layout.width = 1040
+        p, m, v = meta["pp"], meta["microbatches"], meta["stages_per_rank"]
+        vm = f"{v}·{m}" if v > 1 else f"{m}"
+        self.bubble_label.value = (
+            f"<b>bubble</b> at step {meta['step']}: measured <b>{meta['bubble_measured']:.1%}</b> "
+            f"vs theory (p−1)/({'v·' if v > 1 else ''}m+p−1) = {p - 1}/({vm}+{p - 1}) = "
+            f"<b>{meta['bubble_theory']:.1%}</b> (p={p}, m={m}{f', v={v}' if v > 1 else ''})")
+
+    def _redraw_experts(self, view: _RunView) -> None:
+        steps = [e["step"] for e in view.moe_events if e["type"] == "moe"]
+        if not steps or max(steps) == view.moe_step:
+            return
+        fig = plot_tokens_per_expert(view.moe_events)
+        view.moe_step = fig.layout.meta["step"]
+        self.experts_fig.data = ()
+        self.experts_fig.add_traces(list(fig.data))
+        self.experts_fig.layout.update(fig.layout.to_plotly_json(), overwrite=True)
+        self.experts_fig.layout.width = 520
+        self.experts_box.layout.display = ""
 
     def _progress_text(self, view: _RunView) -> str:
         """One line of HTML: how far rank 0 is, its latest loss and throughput, and any rank's error."""

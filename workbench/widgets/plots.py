@@ -1,13 +1,23 @@
-"""Plotly figures over finished runs: compare layouts by their loss curves.
+"""Plotly figures over runs, drawn from their events.
 
-Same model, same seed, same global batch: data parallel, FSDP and tensor parallel should trace the
-same curve. ``plot_losses(run_1proc, run_fsdp, run_tp)`` overlays them so the eye can check.
+* ``plot_losses(run_1proc, run_fsdp, run_tp)``: same model, seed and global batch trace the same curve.
+* ``plot_pipeline_timeline(run)``: one pipeline step, stage x time, a bar per measured forward (F) and
+  backward (B), coloured by microbatch; the title compares the measured bubble with (p-1)/(m+p-1).
+* ``plot_tokens_per_expert(run)``: how a mixture-of-experts router spread the tokens, per layer.
+
+Each takes a :class:`Run` or a list of events (``read_events(run_dir)``, or made by hand).
 """
 
 from __future__ import annotations
 
+from typing import Any, Iterable
+
+import plotly.colors
 import plotly.graph_objects as go
 
+from workbench.parallel.pipeline_bubble import (bubble_fraction, complete_steps, schedule_frame,
+                                                schedule_shape, theoretical_bubble)
+from workbench.train.events import read_events
 from workbench.train.launcher import Run
 
 # One color per run; ranks of the same run share it and differ by dash.
@@ -39,4 +49,125 @@ def plot_losses(*runs: Run, rank: int = 0, title: str = "Loss per step") -> go.F
     return fig
 
 
-__all__ = ["plot_losses", "run_label", "RUN_COLORS", "RANK_DASHES"]
+def _events(run_or_events: Run | Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(run_or_events, Run):
+        return read_events(run_or_events.run_dir)
+    return list(run_or_events)
+
+
+MICROBATCH_COLORS = plotly.colors.qualitative.Plotly
+PHASE_STYLE = {  # forward solid, backward hatched and lighter: the colour still names the microbatch
+    "F": {"opacity": 1.0, "marker_pattern_shape": ""},
+    "B": {"opacity": 0.7, "marker_pattern_shape": "/"},
+}
+
+
+def pipeline_step(events: list[dict[str, Any]], step: int | None = None) -> int:
+    """The step a timeline shows by default: the last one every pipeline rank has reported, not step 0
+    (it includes warm-up: stage shape inference, optimizer state creation) unless it is the only one."""
+    frame = schedule_frame(events)
+    if frame.empty:
+        raise ValueError("no schedule events; they are written by runs with pp > 1")
+    ranks = {e["rank"] for e in events if e.get("type") == "pipeline"} or None
+    done = complete_steps(frame, ranks)
+    if step is not None:
+        if step not in done:
+            raise ValueError(f"step {step} has no complete schedule; choose one of {done}")
+        return step
+    if not done:
+        raise ValueError("no step has been reported by every pipeline rank yet")
+    steady = [s for s in done if s != 0]
+    return steady[-1] if steady else done[-1]
+
+
+def plot_pipeline_timeline(run_or_events: Run | Iterable[dict[str, Any]], step: int | None = None) -> go.Figure:
+    """One pipeline step as a Gantt chart: a row per stage (and its rank), time in ms from the step start.
+
+    Each measured action is one horizontal bar, F solid and B hatched, coloured by microbatch; hovering
+    shows stage, rank, microbatch, phase and duration. White space in a row is that rank's bubble. The
+    title gives the step's measured bubble (``bubble_fraction``) against the theory for equal stages,
+    (p-1)/(v m+p-1). ``fig.layout.meta`` holds those numbers (``step``, ``bubble_measured``,
+    ``bubble_theory``, ``pp``, ``microbatches``, ``stages_per_rank``, ``schedule``).
+    """
+    events = _events(run_or_events)
+    step = pipeline_step(events, step)
+    in_step = [e for e in events if e.get("type") == "schedule" and e["step"] == step]
+    frame = schedule_frame(in_step)
+    pp, m, v = schedule_shape(frame)
+    schedule = next((e["schedule"] for e in events if e.get("type") == "pipeline"), None)
+    measured = bubble_fraction(in_step, skip_first=False)
+    theory = theoretical_bubble(pp, m, v)
+
+    t0 = frame["start"].min()  # ranks share one clock on one host; across hosts, clock skew shows here
+    frame = frame.assign(start_ms=(frame["start"] - t0) * 1e3, end_ms=(frame["end"] - t0) * 1e3)
+    frame["ms"] = frame["end_ms"] - frame["start_ms"]
+    frame["row"] = [f"stage {s} · rank {r}" for s, r in zip(frame["stage"], frame["rank"])]
+    rows = [f"stage {s} · rank {r}" for s, r in sorted(set(zip(frame["stage"], frame["rank"])))]
+
+    fig = go.Figure()
+    for (mb, phase), bars in frame.sort_values(["microbatch", "phase"], ascending=[True, False]).groupby(
+            ["microbatch", "phase"], sort=False):
+        fig.add_bar(
+            orientation="h", y=bars["row"].tolist(), base=bars["start_ms"].tolist(), x=bars["ms"].tolist(),
+            name=f"microbatch {mb}", legendgroup=f"mb{mb}", showlegend=phase == "F",
+            marker_color=MICROBATCH_COLORS[int(mb) % len(MICROBATCH_COLORS)], marker_line_width=0.5,
+            marker_line_color="white", text=[f"{phase}{mb}"] * len(bars), textposition="inside",
+            insidetextanchor="middle", width=0.7,
+            customdata=bars[["stage", "rank", "microbatch", "phase", "ms", "start_ms", "end_ms"]].values.tolist(),
+            hovertemplate=("stage %{customdata[0]} (rank %{customdata[1]})<br>microbatch %{customdata[2]}, "
+                           "%{customdata[3]}<br>%{customdata[4]:.2f} ms, from %{customdata[5]:.2f} "
+                           "to %{customdata[6]:.2f} ms<extra></extra>"),
+            **PHASE_STYLE[phase],
+        )
+    what = f"{schedule}, " if schedule else ""
+    shape, vm = (f"p={pp}, m={m}, v={v}", "v·m") if v > 1 else (f"p={pp}, m={m}", "m")
+    fig.update_layout(
+        title=(f"Pipeline step {step} ({what}{shape}): bubble: measured {measured:.0%} vs theory "
+               f"{theory:.0%}<br><sup>theory (p-1)/({vm}+p-1); F solid, B hatched; colour = microbatch</sup>"),
+        barmode="overlay", xaxis_title="ms from the step's first forward",
+        yaxis={"categoryorder": "array", "categoryarray": rows, "autorange": "reversed"},
+        height=190 + 45 * len(rows), margin={"l": 120, "r": 20, "t": 70, "b": 90},
+        legend={"orientation": "h", "yanchor": "top", "y": -0.5, "font": {"size": 10}},
+        meta={"step": step, "bubble_measured": measured, "bubble_theory": theory, "pp": pp,
+              "microbatches": m, "stages_per_rank": v, "schedule": schedule},
+    )
+    return fig
+
+
+def plot_tokens_per_expert(run_or_events: Run | Iterable[dict[str, Any]], step: int | None = None) -> go.Figure:
+    """Token-slots routed to each expert at one step (default: the latest), a bar group per layer.
+
+    The dashed line is a perfectly balanced router (every expert gets total / E). The title carries
+    the step's load-balancing loss ``aux_loss`` (sum over layers of E sum_e f_e P_e; 1 per layer
+    when balanced). ``fig.layout.meta`` holds ``step`` and ``aux_loss``.
+    """
+    events = _events(run_or_events)
+    moe = {}
+    for e in events:  # every rank writes the same global counts; one per step is enough
+        if e.get("type") == "moe":
+            moe.setdefault(e["step"], e["tokens_per_expert"])
+    if not moe:
+        raise ValueError("no moe events; they are written by runs of mixture-of-experts models (e.g. tiny-moe)")
+    step = max(moe) if step is None else step
+    if step not in moe:
+        raise ValueError(f"no moe event for step {step}; choose one of {sorted(moe)}")
+    counts = moe[step]
+    aux = next((e.get("aux_loss") for e in events if e.get("type") == "step" and e["step"] == step), None)
+    n_experts = len(counts[0])
+    experts = [f"expert {i}" for i in range(n_experts)]
+    fig = go.Figure()
+    for layer, row in enumerate(counts):
+        fig.add_bar(x=experts, y=row, name=f"layer {layer}",
+                    marker_color=MICROBATCH_COLORS[layer % len(MICROBATCH_COLORS)],
+                    hovertemplate=f"layer {layer}, %{{x}}: %{{y}} token-slots<extra></extra>")
+    fig.add_hline(y=sum(counts[0]) / n_experts, line_dash="dash", line_color="gray",
+                  annotation_text="balanced", annotation_position="top left")
+    aux_text = f", aux loss {aux:.3f} ({len(counts)} when balanced)" if aux is not None else ""
+    fig.update_layout(title=f"Tokens per expert, step {step}{aux_text}", barmode="group",
+                      yaxis_title="token-slots (top-k per token)", height=340,
+                      margin={"l": 60, "r": 20, "t": 50, "b": 40}, meta={"step": step, "aux_loss": aux})
+    return fig
+
+
+__all__ = ["plot_losses", "plot_pipeline_timeline", "plot_tokens_per_expert", "pipeline_step", "run_label",
+           "RUN_COLORS", "RANK_DASHES"]

@@ -1,0 +1,1 @@
+"""Memory measurement: live/peak tensor bytes (CPU dispatch tracking, CUDA allocator)."""

@@ -1,0 +1,144 @@
+"""A light peak-memory probe: the bytes of live tensor storages, measured as the program runs.
+
+On CUDA it reads the caching allocator (``torch.cuda.max_memory_allocated``). On CPU there is no
+allocator to ask, so the probe is a ``TorchDispatchMode`` that sees every tensor an operator returns,
+counts each new storage once (``storage.nbytes()``) and uncounts it when the storage is freed (a
+``weakref.finalize`` on the storage)::
+
+    live(t) = sum of nbytes over storages alive at t       peak = max_t live(t) since reset_peak()
+
+Enter it before the model is built, so parameters, gradients, optimizer state and communication
+buffers are all counted from birth. Tensor subclasses (DTensor) are counted through their local
+tensors; temporaries created inside a subclass's own dispatch are not seen (they are short-lived).
+Code that shrinks or regrows a storage in place tells the probe through :func:`resize_storage_`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["PeakMemoryProbe", "resize_storage_", "active_probe"]
+
+_ACTIVE: "PeakMemoryProbe | None" = None
+
+
+def active_probe() -> "PeakMemoryProbe | None":
+    return _ACTIVE
+
+
+def _local_tensors(t):
+    if not isinstance(t, torch.Tensor):
+        return
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from _local_tensors(getattr(t, name, None))
+    else:
+        yield t
+
+
+class _Meter(TorchDispatchMode):
+    def __init__(self, probe: "PeakMemoryProbe"):
+        super().__init__()
+        self.probe = probe
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                for local in _local_tensors(t):
+                    self.probe._track(local)
+        return out
+
+
+class PeakMemoryProbe:
+    """Live and peak tensor bytes of this process (CPU: dispatch tracking; CUDA: the allocator)."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._sizes: dict[int, int] = {}
+        self._mode: _Meter | None = None
+
+    # -- tracking -----------------------------------------------------------------------------
+    def _track(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu":
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = id(storage)
+        if key in self._sizes:
+            return
+        n = storage.nbytes()
+        self._sizes[key] = n
+        self.live_bytes += n
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.live_bytes -= self._sizes.pop(key, 0)
+
+    def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        key = id(storage)
+        if key not in self._sizes:
+            return
+        self.live_bytes += nbytes - self._sizes[key]
+        self._sizes[key] = nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    # -- API ----------------------------------------------------------------------------------
+    def track(self, tensors) -> "PeakMemoryProbe":
+        """Count tensors created outside the probe (parameters, optimizer state) until they are freed."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                for local in _local_tensors(t):
+                    self._track(local)
+        return self
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak_bytes = self.live_bytes
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return int(self.peak_bytes)
+
+    def live(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return int(self.live_bytes)
+
+    def __enter__(self) -> "PeakMemoryProbe":
+        global _ACTIVE
+        _ACTIVE = self
+        if self.device.type == "cpu":
+            self._mode = _Meter(self)
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _ACTIVE
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+        _ACTIVE = None
+
+
+def resize_storage_(t: torch.Tensor, nbytes: int) -> None:
+    """Resize ``t``'s storage in place (0 frees it, keeping shape and autograd identity); the probe follows."""
+    storage = t.untyped_storage()
+    if storage.nbytes() == nbytes:
+        return
+    storage.resize_(nbytes)
+    if _ACTIVE is not None:
+        _ACTIVE._resized(storage, nbytes)

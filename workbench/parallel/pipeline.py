@@ -1,0 +1,249 @@
+"""Pipeline parallelism: the model's layers split into stages, microbatches streamed through them.
+
+Stage ``s`` of ``S`` holds a contiguous run of layers; the first also holds ``tok_embeddings``, the last
+``norm`` and ``output``. Splits may be uneven (5 layers over 2 stages -> 3 + 2: earlier stages take the
+extra layer). With ``pp`` ranks and ``v`` stages per rank (``v = 2`` under Interleaved1F1B), stage ``s``
+lives on pp rank ``s % pp``::
+
+    pp=2, 1F1B:         rank 0: [emb, L0 L1 L2]          rank 1: [L3 L4, norm, out]
+    pp=2, Interleaved:  rank 0: [emb, L0 L1] [L3]        rank 1: [L2] [L4, norm, out]
+
+Each stage is a pruned deep copy of the model ``build_model`` returns. ``layers`` is a ModuleDict keyed
+"0".."n-1", so every parameter keeps its fully-qualified name ("layers.3.attention.wq.weight").
+
+The engine is ``torch.distributed.pipelining``. Each microbatch loss is the token-mean cross entropy,
+and the schedule divides gradients by the number of microbatches ``m`` (``scale_grads``)::
+
+    g = 1/m sum_i grad mean_loss(mb_i) = grad mean_loss(local batch)     (equal-size microbatches)
+
+then data parallelism averages over dp ranks, which gives the gradient of the global-batch mean.
+
+``GPipeLean`` is GPipe that frees memory as soon as it can: a stage's output storage once it has been
+sent (autograd only needs its grad_fn, unless the graph saved it), and the per-microbatch receive
+buffers (activations and gradients) once that microbatch's backward has run.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import _sorted_batch_p2p, _wait_batch_p2p
+
+from workbench.config import ParallelConfig
+from workbench.memory.probe import resize_storage_
+
+__all__ = ["split_layers", "stage_ids", "build_stage_module", "build_pipeline", "Pipeline",
+           "ScheduleGPipeLean", "TimedStage", "pipeline_loss", "SCHEDULES"]
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """Layer indices of each stage: contiguous runs, sizes differing by at most one, larger first."""
+    if not 1 <= n_stages <= n_layers:
+        raise ValueError(f"cannot split n_layers={n_layers} into {n_stages} stages; choose 1..{n_layers} stages")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def stage_ids(pp_rank: int, pp: int, stages_per_rank: int = 1) -> list[int]:
+    """The stages pp rank ``pp_rank`` runs (looped placement, as torch's interleaved schedules expect)."""
+    return [pp_rank + j * pp for j in range(stages_per_rank)]
+
+
+def build_stage_module(model: nn.Module, layer_ids: list[int], *, first: bool, last: bool) -> nn.Module:
+    """A deep copy of ``model`` keeping only ``layer_ids`` (+ embeddings if first, norm/output if last)."""
+    stage = copy.deepcopy(model)
+    keep = {str(i) for i in layer_ids}
+    for name in [k for k in stage.layers.keys() if k not in keep]:
+        del stage.layers[name]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Token-mean cross entropy of one microbatch (the schedule divides gradients by microbatches)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that records when each microbatch's forward (F) and backward (B) ran (wall clock)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.actions: list[dict] = []
+
+    def _timed(self, phase: str, chunk: int, fn, *args, **kwargs):
+        t0 = time.time()
+        out = fn(chunk, *args, **kwargs)
+        self.actions.append({"stage": self.stage_index, "microbatch": chunk, "phase": phase,
+                             "start": t0, "end": time.time()})
+        return out
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        return self._timed("F", fwd_chunk_id, super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        return self._timed("B", bwd_chunk_id, super().backward_one_chunk, *args, **kwargs)
+
+
+@contextmanager
+def _saved_storages(into: set[int]):
+    """Record the storages autograd saves for backward (so we never free one it still needs)."""
+
+    def pack(t):
+        try:
+            into.add(id(t.untyped_storage()))
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def _buffers(recv_infos) -> list[torch.Tensor]:
+    return [info.buffer for info in recv_infos if not info.is_root_arg and info.buffer is not None]
+
+
+def _regrow(recv_infos) -> None:
+    for buf in _buffers(recv_infos):
+        resize_storage_(buf, buf.numel() * buf.element_size())
+
+
+def _shrink(recv_infos) -> None:
+    for buf in _buffers(recv_infos):
+        buf.grad = None
+        resize_storage_(buf, 0)
+
+
+def _p2p(ops) -> None:
+    for works in _sorted_batch_p2p(ops).values():
+        _wait_batch_p2p(works)
+
+
+class ScheduleGPipeLean(ScheduleGPipe):
+    """GPipe (all forwards, then all backwards) that releases memory per microbatch.
+
+    * after forward i is sent: the output's storage is freed (shape and grad_fn stay, for backward),
+      unless autograd saved that storage;
+    * after backward i is sent: the receive buffers of microbatch i (input activation and output
+      gradient) are freed; they are regrown just before the next step receives into them.
+    Sends are waited on at once, so nothing else keeps those tensors alive.
+    """
+
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
+                           return_outputs=True, loss_kwargs=None):
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        first_target = target_mbs[0] if target_mbs is not None else None
+        self._initialize_stage(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+        stage, n = self._stage, self._n_microbatches
+
+        for i in range(n):
+            _regrow(stage.args_recv_info.get(i, ()))
+            _p2p(stage.get_fwd_recv_ops(i))
+            saved: set[int] = set()
+            with _saved_storages(saved):
+                output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i], save_forward_output=False)
+                self._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
+            _p2p(stage.get_fwd_send_ops(i))
+            del output
+            for t in stage.fwd_cache[i][0]:
+                if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in saved:
+                    resize_storage_(t, 0)
+
+        for i in range(n):
+            _regrow(stage.grad_recv_info.get(i, ()))
+            _p2p(stage.get_bwd_recv_ops(i))
+            loss = self._maybe_get_loss(stage, i)
+            stage.backward_one_chunk(i, loss=loss, last_backward=i == n - 1)
+            if loss is not None:  # keep the value for logging, not the graph
+                self._internal_losses[i] = loss.detach()
+            _p2p(stage.get_bwd_send_ops(i))
+            _shrink(stage.grad_recv_info.get(i, ()))
+            _shrink(stage.args_recv_info.get(i, ()))
+
+        self._update_losses(stage, losses)
+        stage.perform_reduce_grad(n if self.scale_grads else 1)
+
+
+SCHEDULES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "GPipeLean": ScheduleGPipeLean,
+}
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages of a pipeline, and the schedule that drives them."""
+
+    schedule: object
+    stages: list[TimedStage]
+    modules: list[nn.Module]
+    n_microbatches: int
+    layers: dict[int, list[int]] = field(default_factory=dict)  # stage -> layer indices
+
+    @property
+    def has_first(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def has_last(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+    def parameters(self):
+        for m in self.modules:
+            yield from m.parameters()
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward + backward of one local batch. Returns the mean microbatch loss on the last stage."""
+        for s in self.stages:
+            s.actions.clear()
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        target = targets if self.has_last else None
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        if not self.has_last:
+            return None
+        return torch.stack([l.detach().float() for l in losses]).mean()
+
+    def actions(self) -> list[dict]:
+        """The measured F/B actions of the last step, in start order."""
+        return sorted((a for s in self.stages for a in s.actions), key=lambda a: a["start"])
+
+
+def build_pipeline(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh, device: torch.device,
+                   prepare: Callable[[nn.Module], nn.Module] = lambda m: m) -> Pipeline:
+    """Split ``model`` into this rank's stages, ``prepare`` each (tp, fsdp, ...), and build the schedule."""
+    pp, v = parallel.pp, parallel.pp_stages_per_rank
+    n_stages = pp * v
+    pp_mesh = mesh["pp"]
+    layers = split_layers(model.cfg.n_layers, n_stages)
+    mine = stage_ids(pp_mesh.get_local_rank(), pp, v)
+    modules, stages = [], []
+    for s in mine:
+        module = prepare(build_stage_module(model, layers[s], first=s == 0, last=s == n_stages - 1))
+        modules.append(module)
+        stages.append(TimedStage(module, s, n_stages, device, group=pp_mesh.get_group()))
+    cls = SCHEDULES[parallel.pp_schedule]
+    m = parallel.pp_microbatches
+    schedule = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=pipeline_loss, scale_grads=True)
+    return Pipeline(schedule, stages, modules, m, {s: layers[s] for s in mine})

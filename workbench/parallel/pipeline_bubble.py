@@ -1,0 +1,73 @@
+"""Pipeline bubbles, measured from ``schedule`` events and predicted from the schedule's shape.
+
+A step's span is from the first forward start to the last backward end over all pp ranks. A rank's
+bubble is the part of that span it spends computing nothing::
+
+    bubble(rank) = 1 - busy(rank) / span          theoretical = (p - 1) / (v m + p - 1)
+
+with p pipeline ranks, m microbatches and v stages per rank (v = 2 for Interleaved1F1B), assuming
+equal stages and a backward that costs a fixed multiple of the forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import pandas as pd
+
+__all__ = ["schedule_frame", "bubble_fraction", "theoretical_bubble", "schedule_shape", "complete_steps"]
+
+COLUMNS = ["rank", "step", "stage", "microbatch", "phase", "start", "end"]
+
+
+def schedule_frame(events: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    """One row per measured action, from ``schedule`` events (batched ``actions`` lists or one per action)."""
+    rows = []
+    for e in events:
+        if e.get("type") != "schedule":
+            continue
+        for a in e.get("actions", [e]):
+            rows.append({"rank": e["rank"], "step": e["step"], **{k: a[k] for k in COLUMNS[2:]}})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def bubble_fraction(events: Iterable[dict[str, Any]], skip_first: bool = True) -> float:
+    """Mean measured bubble fraction over ranks and steps (step 0 includes warm-up; skipped if others exist)."""
+    df = schedule_frame(events)
+    if df.empty:
+        raise ValueError("no schedule events; they are written by runs with pp > 1")
+    if skip_first and df["step"].nunique() > 1:
+        df = df[df["step"] != df["step"].min()]
+    fractions = []
+    for _, step in df.groupby("step"):
+        span = step["end"].max() - step["start"].min()
+        busy = (step["end"] - step["start"]).groupby(step["rank"]).sum()
+        fractions.extend(1.0 - busy / span)
+    return float(sum(fractions) / len(fractions))
+
+
+def theoretical_bubble(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """(p - 1) / (v m + p - 1): the idle fraction of GPipe / 1F1B (v = 1) and interleaved 1F1B."""
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
+def schedule_shape(frame: pd.DataFrame) -> tuple[int, int, int]:
+    """``(pp, microbatches, stages_per_rank)`` read off the measured actions (one step or many).
+
+    A rank that runs v stages shows v distinct ``stage`` values; S stages over v per rank make pp = S / v.
+    """
+    if frame.empty:
+        raise ValueError("no schedule actions; they are written by runs with pp > 1")
+    v = int(frame.groupby("rank")["stage"].nunique().max())
+    return int(frame["stage"].nunique()) // v, int(frame["microbatch"].nunique()), v
+
+
+def complete_steps(frame: pd.DataFrame, ranks: Iterable[int] | None = None) -> list[int]:
+    """Steps whose ``schedule`` event every rank has written (``ranks``: default, every rank seen).
+
+    Each rank writes one step's actions in one event, so a step is whole once each rank has reported it;
+    a live run's newest step may still be missing its slower ranks.
+    """
+    expected = set(frame["rank"]) if ranks is None else set(ranks)
+    seen = frame.groupby("step")["rank"].agg(set)
+    return sorted(int(step) for step, have in seen.items() if expected <= have)
