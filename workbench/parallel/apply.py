@@ -58,7 +58,3 @@ def build_optimizer(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh
         return zero1_optimizer(params, mesh["dp_shard"], **adamw_kwargs)
     return torch.optim.AdamW(params, **adamw_kwargs)
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under a DDP wrapper (FSDP2 and TP modify the module in place)."""
-    return getattr(model, "module", model)
