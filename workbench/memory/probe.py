@@ -7,8 +7,8 @@ counts each new storage once (``storage.nbytes()``) and uncounts it when the sto
 
     live(t) = sum of nbytes over storages alive at t       peak = max_t live(t) since reset_peak()
 
-Enter it before the model is built, so parameters, gradients, optimizer state and communication
-buffers are all counted from birth. Tensor subclasses (DTensor) are counted through their local
+Enter it around the work to measure: what is created inside is counted from birth, and tensors made
+before it (parameters, optimizer state) are added with :meth:`PeakMemoryProbe.track`. Tensor subclasses (DTensor) are counted through their local
 tensors; temporaries created inside a subclass's own dispatch are not seen (they are short-lived).
 Code that shrinks or regrows a storage in place tells the probe through :func:`resize_storage_`.
 """

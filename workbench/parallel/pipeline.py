@@ -63,9 +63,14 @@ def stage_ids(pp_rank: int, pp: int, stages_per_rank: int = 1) -> list[int]:
     return [pp_rank + j * pp for j in range(stages_per_rank)]
 
 
-def build_stage_module(model: nn.Module, layer_ids: list[int], *, first: bool, last: bool) -> nn.Module:
-    """A deep copy of ``model`` keeping only ``layer_ids`` (+ embeddings if first, norm/output if last)."""
-    stage = copy.deepcopy(model)
+def build_stage_module(model: nn.Module, layer_ids: list[int], *, first: bool, last: bool,
+                       in_place: bool = False) -> nn.Module:
+    """``model`` keeping only ``layer_ids`` (+ embeddings if first, norm/output if last).
+
+    A deep copy, unless ``in_place``: a rank's last (often only) stage prunes the model itself, so the
+    whole model is never held twice.
+    """
+    stage = model if in_place else copy.deepcopy(model)
     keep = {str(i) for i in layer_ids}
     for name in [k for k in stage.layers.keys() if k not in keep]:
         del stage.layers[name]
@@ -239,8 +244,9 @@ def build_pipeline(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh,
     layers = split_layers(model.cfg.n_layers, n_stages)
     mine = stage_ids(pp_mesh.get_local_rank(), pp, v)
     modules, stages = [], []
-    for s in mine:
-        module = prepare(build_stage_module(model, layers[s], first=s == 0, last=s == n_stages - 1))
+    for j, s in enumerate(mine):
+        module = prepare(build_stage_module(model, layers[s], first=s == 0, last=s == n_stages - 1,
+                                            in_place=j == len(mine) - 1))
         modules.append(module)
         stages.append(TimedStage(module, s, n_stages, device, group=pp_mesh.get_group()))
     cls = SCHEDULES[parallel.pp_schedule]

@@ -28,7 +28,7 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from workbench.config import PP_SCHEDULES, PRESETS
+from workbench.config import PP_SCHEDULES, PRESETS, ParallelConfig
 from workbench.train.launcher import Run, RunFailed, build_job, launch
 from workbench.train.events import EventReader
 from workbench.widgets.plots import (RANK_DASHES, RUN_COLORS, plot_pipeline_timeline, plot_tokens_per_expert,
@@ -110,8 +110,8 @@ class RunDashboard:
     ):
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-        if nproc is None:
-            nproc = dp_replicate * tp * pp * (dp_shard if dp_shard > 0 else 1)
+        if nproc is None:  # the core's rule: the product of the degrees, dp_shard=-1 counting as 1
+            nproc = ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp).resolved().world_size
         self.out_root = out_root
         self.poll_s = poll_s
         self.runs: list[Run] = []
