@@ -2,6 +2,7 @@
 
 from workbench.config import PRESETS, ModelConfig, ParallelConfig, TrainConfig
 from workbench.train.launcher import Run, RunFailed, launch
+from workbench import spmd  # noqa: F401  (installs our DTensor sharding rules)
 
 __version__ = "0.1.0"
 

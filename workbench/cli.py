@@ -182,6 +182,10 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
+# Command groups that live next to the API they front: each module exposes ``add_parser(sub)``.
+_COMMAND_MODULES: list[str] = []
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="workbench", description="Parallel Workbench: parallel training on PyTorch, inspectable.")
     from workbench import __version__
@@ -190,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_train(sub)
     _add_presets(sub)
+    import importlib
+
+    for name in _COMMAND_MODULES:  # each exposes add_parser(sub), which sets func on its parsers
+        importlib.import_module(name).add_parser(sub)
     return parser
 
 
