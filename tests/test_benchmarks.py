@@ -93,3 +93,52 @@ def test_bench_parallel_quick_prints_peak_memory_ratios_to_gpipe(repo):
         assert c["bubble_fraction_theory"] == pytest.approx(1 / (doc["microbatches"] + 1))  # (p-1)/(m+p-1), p=2
     # The point of the benchmark: 1F1B holds fewer microbatches' activations than GPipe on every stage.
     assert all(r < 1.0 for r in configs["1F1B"]["ratio_by_rank"].values())
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(200)
+def test_bench_spmd_quick_prints_bytes_ratio_of_our_rules_to_torchs(repo):
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "bench_spmd.py"), "--quick", "--family", "masked"],
+        capture_output=True, text=True, timeout=190, cwd=repo,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)  # stdout is exactly one JSON document; progress went to stderr
+    assert "ratio" in proc.stderr
+
+    assert doc["benchmark"] == "bench_spmd" and doc["baseline"] == "torch"
+    assert doc["quick"] is True and doc["meshes"] == ["1d"] and doc["family"] == "masked"
+    assert set(doc["runs"]) == {"torch", "ours"}
+    assert doc["runs"]["ours"]["passed"] == doc["runs"]["ours"]["combinations"] > 0
+    rows = doc["rows"]
+    assert rows and all(r["family"] == "masked" and r["mesh"] == "1d" for r in rows)
+    ok = [r for r in rows if r["ours_ok"] and r["torch_ok"]]
+    tot = doc["total"]
+    assert tot["ours_bytes"] == sum(r["ours_bytes"] for r in ok)
+    assert tot["torch_bytes"] == sum(r["torch_bytes"] for r in ok)
+    assert math.isclose(tot["ratio"], tot["ours_bytes"] / tot["torch_bytes"])
+    assert doc["families"]["masked"]["ratio"] == tot["ratio"]
+    # The point of the masked rules: a Partial input to masked_fill / where stays Partial.
+    assert tot["ratio"] < 1.0
+
+
+@pytest.mark.timeout(150)
+def test_bench_checkpoint_quick_prints_one_json_document_of_ratios(repo):
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_checkpoint.py"), "--quick"],
+                          capture_output=True, text=True, timeout=140, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)  # stdout is exactly one JSON document; progress went to stderr
+    assert "async blocked" in proc.stderr
+    assert doc["benchmark"] == "bench_checkpoint" and doc["preset"] == "tiny" and doc["quick"] is True
+    assert doc["state_bytes"] > 4 * doc["n_params"] * 3  # fp32 weights + two Adam moments, at least
+    for key in ("cpu_count", "torch", "platform"):
+        assert doc["machine"][key], key
+    ratios = doc["ratios"]
+    assert set(ratios) == {"save_throughput_vs_raw", "save_time_vs_dcp", "sha256_time_vs_dcp", "async_blocking_vs_sync",
+                           "zero_stall_step_vs_sync", "load_vs_safetensors", "load_without_sha256_vs_safetensors"}
+    for name, r in ratios.items():
+        assert math.isfinite(r["median"]) and r["median"] > 0, name
+        assert r["min"] <= r["median"] <= r["max"], name
+    s = doc["seconds"]
+    assert math.isclose(ratios["async_blocking_vs_sync"]["median"], s["async_blocking_s"] / s["sync_save_s"])
+    assert s["async_blocking_s"] < s["async_total_s"]  # the loop was blocked for part of the save only

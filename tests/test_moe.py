@@ -10,6 +10,7 @@ tolerances as tests/test_parity.py).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -341,3 +342,26 @@ def test_ep_training_matches_single_process(name, moe_reference, tmp_path_factor
     steps = [e for e in read_events(run.run_dir) if e["type"] == "step" and e["step"] == 0]
     ref0 = [e for e in read_events(moe_reference.run_dir) if e["type"] == "step" and e["step"] == 0][0]
     assert all(abs(e["aux_loss"] - ref0["aux_loss"]) < 1e-5 for e in steps) and ref0["aux_loss"] > 0
+
+
+# With fewer local experts than expert-data-parallel ranks, FSDP2 would shard the experts dim and leave
+# most ranks empty; apply_ep shards the hidden dim instead. Two experts, ep=2 inside dp_shard=4: each
+# rank owns one expert, shared by 2 expert-dp ranks.
+MOE2 = dataclasses.replace(PRESETS["tiny-moe"], name="moe2", n_experts=2, top_k=1)
+
+
+def test_few_local_experts_are_sharded_evenly_in_the_plan():
+    plan = workbench.plan(MOE2, ParallelConfig(dp_shard=4, ep=2))
+    w1 = plan.blocks("layers.0.feed_forward.experts.w1")
+    assert (w1["lengths"].map(lambda l: l[0] * l[1] * l[2]) > 0).all(), "a rank holds no part of an expert"
+    totals = plan.rank_bytes()["parameter"]  # only small tensors with fewer rows than ranks are uneven
+    assert totals.max() / totals.min() < 1.01
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(2 * TIMEOUT_S + 30)
+def test_few_local_experts_training_matches_single_process(tmp_path):
+    ref = workbench.launch(MOE2, out=tmp_path / "ref", nproc=1, steps=3, seed=SEED).wait(TIMEOUT_S)
+    run = workbench.launch(MOE2, out=tmp_path / "ep", nproc=4, dp_shard=4, ep=2, steps=3,
+                           seed=SEED).wait(TIMEOUT_S)
+    assert_matches_reference(run.metrics, ref.metrics.set_index("step"), "dp_shard=4 ep=2, 1 expert per rank")

@@ -63,6 +63,17 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ac-every", type=int, default=2, help="selective checkpointing: every K-th block")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=3,
                    help="ZeRO stage of --dp-shard: 0 DDP, 1 +sharded optimizer, 2 FSDP2 no reshard, 3 FSDP2")
+    ck = p.add_argument_group("checkpoints")
+    ck.add_argument("--ckpt-every", type=int, default=0, metavar="N", help="save a checkpoint every N steps (0: never)")
+    ck.add_argument("--ckpt-async", action="store_true", help="write checkpoints in the background after a host copy")
+    ck.add_argument("--zero-stall", action="store_true",
+                    help="snapshot to host memory every step, persist every --ckpt-every steps")
+    ck.add_argument("--keep", type=int, default=None, metavar="K", help="keep the newest K checkpoints (default: all)")
+    ck.add_argument("--keep-every", type=int, default=0, metavar="N", help="also keep every N-th step forever")
+    ck.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default: RUN_DIR/checkpoints)")
+    ck.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH|latest",
+                    help="resume from a checkpoint (default: the newest complete one); any layout")
+    ck.add_argument("--ema", type=float, default=0.0, metavar="DECAY", help="keep and save an EMA of the weights")
     p.add_argument("--out", default=None, help="run directory (default: ./runs/<time>)")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of progress")
@@ -79,13 +90,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         dtype=args.dtype, data=args.data, mixed_precision=args.mixed_precision,
         activation_checkpointing=args.ac, ac_every=args.ac_every, zero=args.zero,
         ep=args.ep, pp=args.pp, pp_schedule=args.pp_schedule, microbatches=args.microbatches,
+        ckpt_every=args.ckpt_every, ckpt_async=args.ckpt_async, zero_stall=args.zero_stall, keep=args.keep,
+        keep_every=args.keep_every, ckpt_dir=args.ckpt_dir, resume=args.resume, ema=args.ema,
     )
     try:
         build_job(args.model, **settings)  # validate before anything is created or started
     except ValueError as e:
         return _error(str(e), args.json)
     out = args.out or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    run = launch(args.model, out=out, **settings)
+    try:
+        run = launch(args.model, out=out, **settings)
+    except ValueError as e:  # e.g. --resume: no complete checkpoint there, or it does not fit the model
+        return _error(str(e), args.json)
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     try:
         if args.json:
@@ -183,7 +199,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # Command groups that live next to the API they front: each module exposes ``add_parser(sub)``.
-_COMMAND_MODULES: list[str] = []
+_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.checkpoint.cli", "workbench.spmd.cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -315,6 +315,19 @@ class TrainConfig(_JsonMixin):
     # ac_every-th block.
     activation_checkpointing: str = "none"
     ac_every: int = 2
+    # Checkpoints (workbench.checkpoint): save every ckpt_every steps (0 = never) into ckpt_dir
+    # (None = RUN_DIR/checkpoints); ckpt_async writes in a background thread after a host copy;
+    # zero_stall snapshots to host memory every step and persists every ckpt_every steps. keep: the
+    # newest K checkpoints (None = all), plus every keep_every-th step. resume: "latest" or a path.
+    # ema: decay of an exponential moving average of the weights (0 = off).
+    ckpt_every: int = 0
+    ckpt_async: bool = False
+    zero_stall: bool = False
+    keep: int | None = None
+    keep_every: int = 0
+    ckpt_dir: str | None = None
+    resume: str | None = None
+    ema: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len"):
@@ -346,6 +359,16 @@ class TrainConfig(_JsonMixin):
         _positive_int("ac_every", self.ac_every)
         if self.data not in DATASETS:
             raise ValueError(f"data={self.data!r} is unknown; choose one of {list(DATASETS)}")
+        for name in ("ckpt_every", "keep_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}={v!r} must be an integer >= 0 (0 turns it off)")
+        if self.keep is not None:
+            _positive_int("keep", self.keep)
+        if (self.ckpt_async or self.zero_stall) and not self.ckpt_every:
+            raise ValueError("ckpt_async/zero_stall need periodic checkpoints; set ckpt_every N (e.g. --ckpt-every 100)")
+        if not (isinstance(self.ema, (int, float)) and 0.0 <= self.ema < 1.0):
+            raise ValueError(f"ema={self.ema!r} must be a decay in [0, 1), e.g. 0.999 (0 turns it off)")
 
     def grad_accum(self, dp: int) -> int:
         micro = self.micro_batch or self.global_batch // dp

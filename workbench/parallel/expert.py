@@ -150,8 +150,12 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, expert_dp_mesh: DeviceMesh |
         experts.__class__ = ExpertParallelExperts
         experts.ep_group, experts.ep_size = ep_mesh.get_group(), ep
         if expert_dp_mesh is not None:
+            # FSDP2 shards dim 0 (experts) by default. With fewer local experts than expert-dp ranks that
+            # leaves most ranks empty and one holding everything, so shard the hidden dim instead.
+            local_experts = module.n_experts // ep
+            placement = (lambda p: Shard(1)) if local_experts < expert_dp_mesh.size() else None
             fully_shard(experts, mesh=expert_dp_mesh, reshard_after_forward=reshard_after_forward,
-                        mp_policy=mp_policy or MixedPrecisionPolicy())
+                        mp_policy=mp_policy or MixedPrecisionPolicy(), shard_placement_fn=placement)
     return model
 
 

@@ -291,6 +291,22 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _checkpoint_paths(job: JobConfig, run_dir: Path) -> JobConfig:
+    """Make ``ckpt_dir``/``resume`` absolute (ranks may run elsewhere) and check the resume target now."""
+    import dataclasses
+
+    t = job.train
+    if t.ckpt_dir is None and t.resume is None:
+        return job
+    ckpt_dir = str(Path(t.ckpt_dir).resolve()) if t.ckpt_dir else None
+    resume = t.resume if t.resume in (None, "latest") else str(Path(t.resume).resolve())
+    if resume is not None:
+        from workbench.checkpoint.load import check_resume
+
+        check_resume(resume, ckpt_dir or run_dir / "checkpoints", job.model)  # ValueError naming the problem
+    return dataclasses.replace(job, train=dataclasses.replace(t, ckpt_dir=ckpt_dir, resume=resume))
+
+
 def launch(
     model: str | Path | ModelConfig | dict = "tiny",
     *,
@@ -304,12 +320,15 @@ def launch(
     ``settings`` are ParallelConfig degrees (``dp_replicate``, ``dp_shard``, ``tp``, ``sequence_parallel``,
     ``zero``, ``pp``, ``pp_schedule``, ``microbatches``) or whole configs (``parallel=``, ``train=``), and TrainConfig fields (``steps``,
     ``global_batch``, ``micro_batch``, ``seq_len``, ``lr``, ``seed``, ``dtype``, ``data``,
-    ``mixed_precision``, ``activation_checkpointing``, ``ac_every``, ...).
+    ``mixed_precision``, ``activation_checkpointing``, ``ac_every``, ...), and checkpointing
+    (``ckpt_every``, ``ckpt_async``, ``zero_stall``, ``keep``, ``keep_every``, ``ckpt_dir``, ``ema``,
+    ``resume="latest"`` or a path: a different layout than the one saved works).
     """
     job = build_job(model, nproc=nproc, **settings)
     if fail_at is not None:
         job = JobConfig(job.model, job.parallel, job.train, fail_at=fail_at)
     run_dir = Path(out) if out is not None else _default_run_dir()
+    job = _checkpoint_paths(job, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     stale = [p for p in ("events.jsonl",) if (run_dir / p).exists()]
     for p in stale:  # a reused directory starts a fresh event stream

@@ -20,7 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from workbench.config import JobConfig
+from workbench.checkpoint.load import load as load_checkpoint
+from workbench.checkpoint.saver import EMA, Checkpointer, manifest_base
+from workbench.checkpoint.state import TrainState, model_view
+from workbench.config import JobConfig, TrainConfig
 from workbench.mesh import build_mesh, dp_rank
 from workbench.memory.probe import PeakMemoryProbe
 from workbench.models import build_model
@@ -143,6 +146,32 @@ def _micro_batch_step(model, dataset, step, tcfg, mcfg, d_rank, dp, micro, accum
     return loss_sum, aux_sum, expert_load
 
 
+def lr_lambda(tcfg: TrainConfig):
+    """The LR multiplier of step ``s``: linear warmup over ``warmup_steps``, then constant.
+
+    ``LambdaLR`` sets ``lr = base_lr * f(s)`` at step ``s`` (``scheduler.step()`` after each optimizer step).
+    """
+    warmup = tcfg.warmup_steps
+    return (lambda s: min(1.0, (s + 1) / warmup)) if warmup else (lambda s: 1.0)
+
+
+def _checkpointing(job: JobConfig, run_dir: str, events: EventWriter, world: int) -> Checkpointer | None:
+    tcfg = job.train
+    if not tcfg.ckpt_every:
+        return None
+    mode = "zero_stall" if tcfg.zero_stall else "async" if tcfg.ckpt_async else "sync"
+    kinds = ["model", "optim", *(["ema"] if tcfg.ema else []), "sched", "rng", "extra"]
+    base = manifest_base(world, kinds=kinds, ema=bool(tcfg.ema), layout=job.parallel.to_dict(),
+                         job={"model": job.model.to_dict(), "parallel": job.parallel.to_dict(),
+                              "train": job.train.to_dict()})
+    return Checkpointer(ckpt_dir(job, run_dir), every=tcfg.ckpt_every, mode=mode, keep=tcfg.keep,
+                        keep_every=tcfg.keep_every, manifest=base, emit=events.emit)
+
+
+def ckpt_dir(job: JobConfig, run_dir: str) -> str:
+    return job.train.ckpt_dir or os.path.join(run_dir, "checkpoints")
+
+
 def train(job: JobConfig, run_dir: str) -> None:
     """Run ``job`` on this rank. Expects torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
     rank = int(os.environ.get("RANK", "0"))
@@ -181,6 +210,23 @@ def train(job: JobConfig, run_dir: str) -> None:
 
         opt = build_optimizer(model, pcfg, mesh, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
                               betas=(0.9, 0.95), foreach=False)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tcfg))
+        ema = EMA(model_view(model), tcfg.ema) if tcfg.ema else None
+        state = TrainState(model, opt, sched, ema, rank=rank)
+        ckpt = _checkpointing(job, run_dir, events, world)
+        start_step = 0
+        if tcfg.resume:
+            spec = ckpt_dir(job, run_dir) if tcfg.resume == "latest" else tcfg.resume
+            t_load = time.perf_counter()
+            res = load_checkpoint(spec, model, opt, scheduler=sched, ema=ema, rng=True)
+            state.step, state.consumed_samples = res.step, res.consumed_samples
+            if res.consumed_samples != res.step * tcfg.global_batch:
+                raise ValueError(f"checkpoint {res.path.name} consumed {res.consumed_samples} samples in {res.step} "
+                                 f"steps, not global_batch={tcfg.global_batch} per step; resume with the "
+                                 "global_batch it was saved with")
+            start_step = res.step
+            events.emit("resume", step=res.step, path=str(res.path), load_s=time.perf_counter() - t_load,
+                        saved_layout=res.manifest.get("layout"), skipped=res.skipped)
         dataset = make_dataset(tcfg.data, mcfg.vocab_size, tcfg.seq_len, tcfg.seed)
         dp = pcfg.dp
         d_rank = dp_rank(pcfg, rank)
@@ -195,13 +241,11 @@ def train(job: JobConfig, run_dir: str) -> None:
         dp_groups = [mesh.get_group(d) for d, n in (("dp_replicate", pcfg.dp_replicate), ("dp_shard", pcfg.dp_shard))
                      if n > 1] if mesh is not None else []
 
-        for step in range(tcfg.steps):
+        for step in range(start_step, tcfg.steps):
             if fail_rank == rank and fail_step == step:
                 raise RuntimeError(f"injected failure on rank {rank} at step {step} (fail_at test hook)")
             t0 = time.perf_counter()
-            lr = tcfg.lr * min(1.0, (step + 1) / tcfg.warmup_steps) if tcfg.warmup_steps else tcfg.lr
-            for group in opt.param_groups:
-                group["lr"] = lr
+            lr = opt.param_groups[0]["lr"]  # set by the LambdaLR scheduler
             if pipe is not None:
                 loss_sum = _pipeline_step(pipe, probe, model, dataset, step, tcfg, d_rank, dp, device)
                 aux_sum, expert_load = torch.zeros((), device=device), 0
@@ -211,6 +255,9 @@ def train(job: JobConfig, run_dir: str) -> None:
             gnorm = clip_grads_(params, tcfg.grad_clip, pp_group)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            sched.step()
+            if ema is not None:
+                ema.update()
             if probe is not None:  # optimizer state is created at step 0, outside the probe
                 probe.track(t for st in opt.state.values() for t in st.values())
             # The mean over all ranks equals the mean over dp ranks: tp ranks hold identical losses.
@@ -232,6 +279,11 @@ def train(job: JobConfig, run_dir: str) -> None:
                 events.emit("schedule", step=step, actions=pipe.actions())
             if moe:  # token-slots routed to each expert, per layer, over the whole global batch
                 events.emit("moe", step=step, tokens_per_expert=expert_load.tolist())
+            state.step, state.consumed_samples = step + 1, (step + 1) * tcfg.global_batch
+            if ckpt is not None:
+                ckpt.after_step(state)
+        if ckpt is not None:
+            ckpt.close()  # waits for the save in flight; raises if it failed
         events.emit("end", steps=tcfg.steps)
         # Tear down together: a rank that destroys its gloo pairs while a peer still uses them
         # aborts the peer at exit ("terminate called without an active exception").

@@ -7,3 +7,11 @@ from workbench.widgets.dashboard import RunDashboard
 from workbench.widgets.plots import plot_losses, plot_pipeline_timeline, plot_tokens_per_expert, run_label
 
 __all__ = ["RunDashboard", "plot_losses", "plot_pipeline_timeline", "plot_tokens_per_expert", "run_label"]
+
+from workbench.widgets.checkpoint_browser import CheckpointBrowser  # noqa: E402
+
+__all__ += ["CheckpointBrowser"]
+
+from workbench.widgets.plan_view import ShardingPlanView  # noqa: E402
+
+__all__ += ["ShardingPlanView"]

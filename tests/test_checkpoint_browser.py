@@ -1,0 +1,98 @@
+"""CheckpointBrowser driven programmatically: listing, filter, shard map, stats, diff, dry-run load, verify."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_checkpoint_tools import write_checkpoint  # tests/: checkpoints written per the key contract
+from workbench.checkpoint import inspect, read_tensor
+
+pytest.importorskip("ipywidgets")
+
+KEY = "model.layers.1.attention.wo.weight"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("browse")
+    write_checkpoint(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def browser(run):
+    from workbench.widgets import CheckpointBrowser
+
+    return CheckpointBrowser(run)
+
+
+def test_listing_is_grouped_by_module_and_filters(browser):
+    labels = [label for label, _ in browser.listing.options]
+    values = [v for _, v in browser.listing.options]
+    assert values[0] == "group:model" and values[1] == "model.tok_embeddings.weight"
+    assert "group:model.layers.0" in values and labels[values.index("group:model.layers.0")].endswith("(9)")
+    assert "step 1" in browser.header.value and "model 4.20 MB" in browser.header.value
+    browser.filter.value = "wo."
+    keys = browser.visible_keys()
+    assert keys and all("wo." in k for k in keys)
+    assert {k for k in keys if k.startswith("model.")} == {f"model.layers.{i}.attention.wo.weight" for i in range(5)}
+    browser.kind.value = "model"
+    assert len(browser.visible_keys()) == 5 and "5 of" in browser.count.value
+    browser.filter.value = ""
+    assert len(browser.visible_keys()) == 48
+    browser.kind.value = "all"
+
+
+def test_selecting_a_key_draws_its_shard_map_and_group_summaries(browser):
+    browser.listing.value = KEY  # what a click does
+    assert browser.selected == KEY and "global shape [128, 128]" in browser.info.value
+    (trace,) = browser.shard_figure.data  # one process wrote it: one block, rank 0, the whole tensor
+    assert trace.name == "rank 0" and tuple(trace.x) == (0, 128, 128, 0, 0) and tuple(trace.y) == (0, 0, 128, 128, 0)
+    browser.listing.value = "group:model.layers.1"
+    assert browser.info.value.startswith("<b>model.layers.1</b>: 9 entries")
+    with pytest.raises(KeyError, match="did you mean"):
+        browser.select("model.layers.1.attention.wo.weigth")
+
+
+def test_statistics_load_only_the_selected_tensor(browser, run):
+    browser.select(KEY)
+    stats = browser.load_stats(bins=40)
+    t = read_tensor(run, KEY).double()
+    assert stats["numel"] == 128 * 128 and stats["non_finite"] == 0
+    assert stats["mean"] == pytest.approx(float(t.mean())) and stats["std"] == pytest.approx(float(t.std()))
+    assert stats["min"] == float(t.min()) and stats["max"] == float(t.max())
+    (bars,) = browser.histogram.data
+    assert len(bars.x) == 40 and sum(bars.y) == t.numel()
+
+
+def test_diff_panel_names_the_changed_tensor(browser, run, tmp_path):
+    fqn = KEY.removeprefix("model.")
+
+    def mutate(sd):
+        sd["model"][fqn] = sd["model"][fqn] * 2
+
+    other = write_checkpoint(tmp_path / "other", mutate=mutate)
+    d = browser.run_diff(str(other))
+    assert d is not None and d.top(1).loc[0, "key"] == KEY and d.top(1).loc[0, "rel_norm"] == pytest.approx(1.0)
+    assert int((~d.values["equal"]).sum()) == 1 and "1 of" in browser.diff_html.value
+    assert browser.diff_figure.data[0].y[-1] == KEY  # the largest change is the top bar
+    assert browser.run_diff(str(tmp_path / "missing")) is None and "no such file" in browser.diff_html.value
+
+
+def test_load_into_layout_panel(browser):
+    plan = browser.run_plan(dp_shard=2, tp=2)
+    assert plan.loadable and plan.world_size == 4 and "loadable" in browser.plan_html.value
+    plan = browser.run_plan(dp_shard=1, tp=3)
+    assert not plan.loadable and "tp=3 does not divide n_heads=8" in browser.plan_html.value
+    assert not browser.run_plan(tp=1, dp_shard=1, pp=8).loadable
+    assert "pp=8 exceeds n_layers=5" in browser.plan_html.value
+
+
+def test_verify_panel_and_manifest_displays_as_the_browser(browser, run, monkeypatch):
+    assert browser.run_verify().ok and "verify: OK" in browser.verify_html.value
+    from workbench.widgets import CheckpointBrowser
+
+    shown = []
+    monkeypatch.setattr("IPython.display.display", shown.append)  # what the notebook front end receives
+    inspect(run)._ipython_display_()
+    assert isinstance(shown[0], CheckpointBrowser) and shown[0].manifest.step == 1

@@ -1,0 +1,241 @@
+"""ShardingPlanView without a browser: real plans from ``workbench.plan``, read back from the figures.
+
+Every plan here is simulated by the core (fake process group, meta tensors); the view must draw exactly
+what ``plan.blocks`` / ``plan.local`` / ``plan.rank_bytes`` say, and stay quick on 1024 ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import numpy as np
+import pytest
+
+import workbench
+from workbench.config import ParallelConfig
+from workbench.plan import ShardingPlan
+from workbench.widgets import ShardingPlanView
+from workbench.widgets.plan_view import ABSENT_COLOR, BLOCK_COLORS, LABEL_BLOCKS_MAX, _human_bytes
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, ShardingPlan]:
+    return {
+        "1d": workbench.plan("tiny", ParallelConfig(dp_shard=4)),
+        "2d": workbench.plan("tiny", ParallelConfig(dp_shard=2, tp=2)),
+        "3d": workbench.plan("tiny", ParallelConfig(pp=2, dp_shard=2, tp=2)),
+        "tp": workbench.plan("tiny", ParallelConfig(tp=2)),
+    }
+
+
+@pytest.fixture(scope="module")
+def big_plan() -> ShardingPlan:
+    return workbench.plan("llama-70b", ParallelConfig(dp_shard=128, tp=8))
+
+
+def _rectangles(view: ShardingPlanView) -> list[tuple[float, float, float, float, str]]:
+    """Every block drawn in the tensor figure: (x0, x1, y0, y1, state), read from the traces' polygons."""
+    rects = []
+    for trace in view.tensor_fig.data:
+        if (trace.meta or {}).get("role") != "blocks":
+            continue
+        xs = np.asarray(trace.x, dtype=float).reshape(-1, 6)  # 5 corners + the NaN gap
+        ys = np.asarray(trace.y, dtype=float).reshape(-1, 6)
+        assert np.isnan(xs[:, 5]).all()
+        for x, y in zip(xs, ys):
+            rects.append((x[:5].min(), x[:5].max(), y[:5].min(), y[:5].max(), trace.meta["state"]))
+    return sorted(rects)
+
+
+def _expected_rectangles(plan: ShardingPlan, name: str, kind: str, xdim: int, ydim: int | None):
+    """The distinct (offsets, lengths, state) of plan.blocks, as rectangles over the drawn dims."""
+    frame = plan.blocks(name, kind=kind)
+    frame = frame[frame["state"] != "absent"]
+    out = set()
+    for off, ln, state in zip(frame["offsets"], frame["lengths"], frame["state"]):
+        y = (off[ydim], off[ydim] + ln[ydim]) if ydim is not None else (0, 1)
+        out.add((off[xdim], off[xdim] + ln[xdim], *y, state))
+    return sorted(out)
+
+
+def _mesh_z(view: ShardingPlanView) -> np.ndarray:
+    return np.stack([np.asarray(t.z, dtype=float) for t in view.mesh_fig.data])
+
+
+def test_1d_mesh_draws_one_row_and_every_block(plans):
+    plan = plans["1d"]
+    view = ShardingPlanView(plan)
+    assert len(view.mesh_fig.data) == 1 and _mesh_z(view).shape == (1, 1, 4)  # dp_shard 4: one row of 4
+    assert view.tensor.name == "tok_embeddings.weight" and view.tensor.kind == "parameter"
+    # (256, 128) embedding, S(0) over dp_shard: four 64-row blocks, one per rank, rows drawn down.
+    assert _rectangles(view) == _expected_rectangles(plan, "tok_embeddings.weight", "parameter", 1, 0)
+    assert [r[2:4] for r in _rectangles(view)] == [(0, 64), (64, 128), (128, 192), (192, 256)]
+    assert list(view.blocks["replicas"]) == [1, 1, 1, 1]
+    # Each mesh cell is coloured by the block its rank holds.
+    assert _mesh_z(view)[0, 0].tolist() == [0, 1, 2, 3]
+    # Evaluating the view in a notebook shows the widget.
+    bundle = view._repr_mimebundle_()
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == view.widget.model_id
+    # A 1-D tensor is a bar along its only dim.
+    view.select_tensor("norm.weight")
+    assert _rectangles(view) == [(0, 32, 0, 1, "sharded"), (32, 64, 0, 1, "sharded"), (64, 96, 0, 1, "sharded"),
+                                 (96, 128, 0, 1, "sharded")]
+
+
+def test_2d_mesh_blocks_rank_selection_and_bytes(plans):
+    plan = plans["2d"]
+    view = ShardingPlanView(plan, tensor="layers.1.attention.wo.weight", kind="gradient")
+    assert _mesh_z(view).shape == (1, 2, 2)  # x = dp_shard, y = tp
+    # wo is row-parallel: tp shards dim 1, FSDP shards dim 0: four distinct quarter blocks.
+    rects = _rectangles(view)
+    assert rects == _expected_rectangles(plan, "layers.1.attention.wo.weight", "gradient", 1, 0)
+    assert len(rects) == 4 and {(r[1] - r[0], r[3] - r[2]) for r in rects} == {(64, 64)}
+
+    # Selecting a rank through its control: the rank panel and the highlight follow plan.local.
+    view.controls["rank"].value = 3
+    assert view.rank == 3
+    shape, offsets = plan.local("layers.1.attention.wo.weight", 3, kind="gradient")
+    assert f"local shape {shape}, offsets {offsets}" in view.rank_info.value
+    (hi,) = view.tensor_fig.layout.shapes
+    assert (hi.x0, hi.x1, hi.y0, hi.y1) == (offsets[1], offsets[1] + shape[1], offsets[0], offsets[0] + shape[0])
+    (cell,) = view.mesh_fig.layout.shapes  # rank 3 = (dp_shard 1, tp 1)
+    assert (cell.x0 + cell.x1) / 2 == 1 and (cell.y0 + cell.y1) / 2 == 1
+    # Byte totals of the selected rank, and one stacked bar per rank and category.
+    rb = plan.rank_bytes()
+    for cat in ("parameter", "gradient", "optimizer", "total"):
+        assert f"<td>{cat}</td><td style='text-align:right'>{_human_bytes(rb.loc[3, cat])}</td>" in view.rank_info.value
+    bars = {t.name: np.asarray(t.y) for t in view.bytes_fig.data}
+    assert set(bars) == {"parameter", "gradient", "optimizer", "master"}
+    for cat, y in bars.items():
+        assert np.allclose(y * 2**30, rb[cat].to_numpy())
+    (bar_hi,) = view.bytes_fig.layout.shapes
+    assert bar_hi.x0 == 2.5 and bar_hi.x1 == 3.5
+    with pytest.raises(ValueError, match="rank=4 is outside the plan's 4 ranks; choose 0..3"):
+        view.select_rank(4)
+
+
+def test_replicated_and_partial_are_drawn_distinctly(plans):
+    plan = plans["tp"]  # tp=2 alone: norms are replicated on both ranks
+    view = ShardingPlanView(plan, tensor="norm.weight")
+    (block,) = [t for t in view.tensor_fig.data if (t.meta or {}).get("role") == "blocks"]
+    assert block.meta["state"] == "replicated" and block.fillpattern.shape == "/"
+    legend = [t for t in view.tensor_fig.data if (t.meta or {}).get("role") == "legend"]
+    assert [t.name for t in legend] == ["replicated: a full copy"]
+    assert [a.text for a in view.tensor_fig.layout.annotations] == ["×2"]  # one block, two replicas
+    assert view.blocks["ranks"].tolist() == [(0, 1)]
+
+    view.select_tensor("layers.0.attention.wq.weight")  # colwise: a slice per rank, drawn solid
+    blocks = [t for t in view.tensor_fig.data if (t.meta or {}).get("role") == "blocks"]
+    assert {t.meta["state"] for t in blocks} == {"sharded"} and all(not t.fillpattern.shape for t in blocks)
+    assert sorted(a.text for a in view.tensor_fig.layout.annotations) == ["r0", "r1"]
+
+    # No layout of ours leaves a partial tensor after backward, so mark one gradient P(sum) by hand
+    # (as a pre-reduction gradient would be) and check that the view draws the summands distinctly.
+    g = plan.tensor("layers.0.attention.wo.weight", "gradient")
+    partial = dataclasses.replace(g, placements=("R", "R", "R", "P(sum)"), splits=())
+    tensors = [partial if t is g else t for t in plan.tensors]
+    pplan = ShardingPlan(plan.model_name, plan.parallel, plan.train, tensors, model=plan.model)
+    view = ShardingPlanView(pplan, tensor=g.name, kind="gradient")
+    (block,) = [t for t in view.tensor_fig.data if (t.meta or {}).get("role") == "blocks"]
+    assert block.meta["state"] == "partial" and block.fillpattern.shape == "x" and block.line.dash == "dot"
+    assert [t.name for t in view.tensor_fig.data if (t.meta or {}).get("role") == "legend"] == [
+        "partial: a summand of the whole"]
+
+
+def test_3d_mesh_facets_over_pp_and_absent_ranks(plans):
+    plan = plans["3d"]
+    view = ShardingPlanView(plan, tensor="tok_embeddings.weight")
+    z = _mesh_z(view)
+    assert z.shape == (2, 2, 2)  # two facets (pp=0, pp=1), each dp_shard x tp
+    assert [a.text for a in view.mesh_fig.layout.annotations] == ["pp=0", "pp=1"]
+    absent = len(BLOCK_COLORS)  # the colour index of "holds none of it"
+    assert (z[1] == absent).all() and (z[0] != absent).all()  # the embedding lives on stage 0
+    assert view.mesh_fig.data[0].colorscale[-1][1] == ABSENT_COLOR
+    assert len(_rectangles(view)) == 4
+    view.select_rank(7)  # a stage-1 rank
+    assert "holds none of <b>tok_embeddings.weight</b> (it lives on stage 0)" in view.rank_info.value
+    assert view.tensor_fig.layout.shapes == ()
+    view.select_tensor("output.weight")
+    z = _mesh_z(view)
+    assert (z[0] == absent).all() and (z[1] != absent).all()
+    (cell,) = view.mesh_fig.layout.shapes
+    assert cell.xref == "x2" and cell.yref == "y2"  # rank 7's cell is in the second facet
+
+
+def test_filter_kind_regex_and_list_cap(plans):
+    plan = plans["2d"]
+    view = ShardingPlanView(plan, max_list=10)
+    names = [(t.name, t.kind) for t in plan.tensors]
+    assert len(view.matches) == len(names) and len(view.controls["tensor"].options) == 10
+    assert f"of {len(names):,} tensors match (showing the first 10)" in view.count_label.value
+
+    view.controls["filter"].value = "Attention.WQ"  # case-insensitive substring
+    expected = [n for n in names if "attention.wq" in n[0]]
+    assert [(t.name, t.kind) for t in view.matches] == expected
+    assert f"<b>{len(expected)}</b> of {len(names):,}" in view.count_label.value
+    assert view.tensor.name.startswith("layers.0.attention.wq")  # the selection followed the filter
+
+    view.controls["kind"].value = "optimizer"
+    assert {t.kind for t in view.matches} == {"optimizer"}
+    assert len(view.matches) == sum(1 for n, k in names if "attention.wq" in n and k == "optimizer")
+
+    view.controls["kind"].value = "all"
+    view.controls["regex"].value = True
+    view.controls["filter"].value = r"^layers\.[01]\..*norm\.weight$"
+    expected = [n for n in names if re.search(r"^layers\.[01]\..*norm\.weight$", n[0])]
+    assert [(t.name, t.kind) for t in view.matches] == expected and len(expected) == 8  # 2 norms x 2 layers x 2 kinds
+
+    # Picking an entry in the list shows that tensor.
+    label, index = view.controls["tensor"].options[-1]
+    view.controls["tensor"].value = index
+    assert (view.tensor.name, view.tensor.kind) == expected[-1]
+    assert view.tensor.name in view.tensor_fig.layout.title.text
+
+    view.controls["filter"].value = "layers.(["
+    assert "invalid regex" in view.count_label.value and view.matches == []
+    assert view.tensor.name == expected[-1][0]  # the last good selection stays on screen
+    with pytest.raises(ValueError, match="no parameter tensor named 'nope'"):
+        view.select_tensor("nope")
+
+
+def test_llama_70b_on_1024_ranks_stays_quick(big_plan):
+    plan = big_plan
+    assert plan.world_size == 1024
+    t0 = time.perf_counter()
+    view = ShardingPlanView(plan)
+    construct = time.perf_counter() - t0
+    assert _mesh_z(view).shape == (1, 8, 128)  # dp_shard 128 across, tp 8 down
+    assert all(len(t.x) == 1024 for t in view.bytes_fig.data)
+
+    t0 = time.perf_counter()
+    view.select_tensor("layers.40.feed_forward.w2.weight", "gradient")
+    switch = time.perf_counter() - t0
+    # 1024 distinct blocks are drawn once each, in a handful of traces (not one shape per rank).
+    rects = _rectangles(view)
+    assert len(rects) == 1024 and len(view.tensor_fig.data) <= len(BLOCK_COLORS) + 3
+    assert rects == _expected_rectangles(plan, "layers.40.feed_forward.w2.weight", "gradient", 1, 0)
+    assert len(view.tensor_fig.layout.annotations) == 0  # too many blocks to label: hover only
+
+    view.select_tensor("layers.40.ffn_norm.weight")  # S(0) over dp_shard, replicated over tp
+    assert len(view.blocks) == 128 and set(view.blocks["replicas"]) == {8}
+    assert len(view.blocks) > LABEL_BLOCKS_MAX
+
+    t0 = time.perf_counter()
+    view.controls["filter"].value = "layers.7"
+    filtering = time.perf_counter() - t0
+    expected = sum(1 for t in plan.tensors if "layers.7" in t.name)
+    assert len(view.matches) == expected and f"<b>{expected}</b>" in view.count_label.value
+    assert len(view.controls["tensor"].options) == min(expected, 200)
+
+    t0 = time.perf_counter()
+    view.select_rank(1000)
+    rank = time.perf_counter() - t0
+    shape, _ = plan.local(view.tensor.name, 1000, kind=view.tensor.kind)
+    assert f"local shape {shape}" in view.rank_info.value
+    print(f"\nllama-70b dp_shard=128 x tp=8: construct {construct:.3f}s, switch tensor {switch:.3f}s, "
+          f"filter {filtering:.3f}s, select rank {rank:.4f}s")
+    # Generous bounds (2 shared CI cores); typical figures are in the report.
+    assert construct < 10 and switch < 3 and filtering < 3 and rank < 3
+

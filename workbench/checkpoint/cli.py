@@ -1,0 +1,247 @@
+"""``workbench ckpt``: inspect, verify, diff, convert and plan-load checkpoints from the shell.
+
+    workbench ckpt inspect runs/r1                      what is in the latest checkpoint
+    workbench ckpt verify runs/r1/checkpoints/step-000020   checksums, sizes, chunk tiling (exit 1 if bad)
+    workbench ckpt diff A B --top 5                     added/removed/reshaped keys, largest value changes
+    workbench ckpt convert SRC DST --to hf --include optimizer --max-shard-size 2GB
+    workbench ckpt plan-load SRC --dp-shard 2 --tp 2    will it load into that layout? (exit 1 if not)
+
+Every command takes ``--json`` (one JSON document on stdout). A bad file prints one line,
+``error: <file>: <problem>; <fix>``, and exits 1; no traceback, and no pickle is ever executed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+from workbench.cli import EXIT_FAILED, EXIT_USAGE, _emit_json, _error
+
+__all__ = ["add_parser"]
+
+
+def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn every failure into one ``error:`` line (exit 1 for a bad checkpoint, 2 for bad input)."""
+
+    def run(args: argparse.Namespace) -> int:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from workbench.checkpoint.safeload import CheckpointFormatError
+
+        try:
+            return fn(args)
+        except CheckpointFormatError as e:
+            return _error(str(e), args.json, EXIT_FAILED)
+        except (ValueError, KeyError, FileExistsError) as e:
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            return _error(str(msg), args.json, EXIT_USAGE)
+        except KeyboardInterrupt:
+            return _error("interrupted", args.json, 130)
+        except (Exception, CheckpointException) as e:  # a bug or an unforeseen file: one line, traceback on request
+            if os.environ.get("WORKBENCH_DEBUG"):
+                raise
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            return _error(f"{type(e).__name__}: {first}; set WORKBENCH_DEBUG=1 for the traceback", args.json,
+                          EXIT_FAILED)
+
+    return run
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """Progress bars on a terminal only: never in --json output, logs or pipes."""
+    return not args.json and sys.stderr.isatty()
+
+
+def _human(n: float) -> str:
+    from workbench.checkpoint.manifest import human_bytes
+
+    return human_bytes(n)
+
+
+# --------------------------------------------------------------------------------------------------
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from workbench.checkpoint.inspect import inspect
+
+    m = inspect(args.path)
+    frame = m.frame
+    if args.kind:
+        frame = frame[frame["kind"] == args.kind]
+    if args.filter:
+        frame = frame[frame["key"].str.contains(args.filter, regex=False)]
+    if args.json:
+        doc = m.to_dict()
+        keep = set(frame["key"])
+        doc["tensors"] = [r for r in doc["tensors"] if r["key"] in keep]
+        if not args.shards:
+            for r in doc["tensors"]:
+                r["n_shards"] = len(r.pop("shards"))
+        _emit_json({"status": "ok", **doc})
+        return 0
+    s = m.summary()
+    print(f"{s['path']}  ({s['format']})")
+    print(f"step {s['step']}  layout {s['layout_description'] or '-'}  ranks {s['world_size'] or '-'}  "
+          f"{s['n_tensors']} tensors  {_human(s['total_bytes'])}  files {s['n_files']}")
+    print("  " + "  ".join(f"{k} {_human(b)}" for k, b in s["bytes_by_kind"].items()))
+    print()
+    rows = frame if args.all else frame.head(args.limit)
+    width = max([len(k) for k in rows["key"]] + [3])
+    print(f"{'key':<{width}}  {'kind':<9} {'dtype':<9} {'shape':<16} {'bytes':>10}  shards")
+    for r in rows.itertuples(index=False):
+        shape = "-" if r.shape is None else "x".join(map(str, r.shape)) or "()"
+        ranks = sorted({s["rank"] for s in r.shards if s.get("rank") is not None})
+        where = f"{len(r.shards)} (ranks {','.join(map(str, ranks))})" if ranks else str(len(r.shards))
+        print(f"{r.key:<{width}}  {r.kind:<9} {r.dtype:<9} {shape:<16} {r.bytes:>10}  {where}")
+    if len(rows) < len(frame):
+        print(f"... {len(frame) - len(rows)} more (--all, --filter, --kind)")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from workbench.checkpoint.verify import verify
+
+    report = verify(args.path, deep=args.deep, progress=_progress(args))
+    if args.json:
+        _emit_json({"status": "ok" if report.ok else "error", **report.to_dict()})
+    else:
+        for p in report.problems:
+            print(f"error: {p}", file=sys.stderr)
+        for w in report.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        if report.ok:
+            checked = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in report.checked.items())
+            print(f"ok: {report.path} ({report.format}): {checked}")
+    return 0 if report.ok else EXIT_FAILED
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from workbench.checkpoint.diff import diff
+
+    kinds = args.kind.split(",") if args.kind else None
+    d = diff(args.a, args.b, values=not args.no_values, kinds=kinds, progress=_progress(args))
+    if args.json:
+        _emit_json({"status": "ok", **d.to_dict(top=args.top)})
+        return 0
+    print(f"{d.a} -> {d.b}")
+    n_diff = int((~d.values["equal"]).sum()) if len(d.values) else 0
+    print(f"{len(d.added)} added, {len(d.removed)} removed, {len(d.changed)} changed shape/dtype"
+          + (f", {n_diff} of {len(d.values)} values differ" if d.compared_values else ""))
+    for k in d.added[:args.top]:
+        print(f"  + {k}")
+    for k in d.removed[:args.top]:
+        print(f"  - {k}")
+    for r in d.changed.head(args.top).itertuples(index=False):
+        print(f"  ~ {r.key}: {r.a_dtype}{list(r.a_shape) if r.a_shape is not None else ''} -> "
+              f"{r.b_dtype}{list(r.b_shape) if r.b_shape is not None else ''}")
+    top = d.top(args.top)
+    if len(top) and n_diff:
+        print("\nlargest value changes (relative norm of the difference):")
+        for r in top.itertuples(index=False):
+            print(f"  {r.rel_norm:10.3e}  max|d| {r.max_abs:10.3e}  {r.key}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from workbench.checkpoint.formats import export
+
+    include = ["model"] + [k.strip() for k in (args.include or "").split(",") if k.strip()]
+    include = ["optimizer" if k == "optim" else k for k in include]
+    result = export(args.src, args.dst, to=args.to, include=include, max_shard_size=args.max_shard_size,
+                    names=args.names, overwrite=args.force, progress=_progress(args))
+    if args.json:
+        _emit_json({"status": "ok", **result.to_dict()})
+    else:
+        kinds = ", ".join(f"{k} {_human(b)}" for k, b in result.by_kind.items())
+        print(f"wrote {result.tensors} tensors ({kinds}) to {result.dst} as {result.to}: "
+              f"{', '.join(result.files[:5])}{' ...' if len(result.files) > 5 else ''}")
+    return 0
+
+
+def cmd_plan_load(args: argparse.Namespace) -> int:
+    from workbench.checkpoint.plan_load import plan_load
+    from workbench.config import ParallelConfig
+
+    if args.to:
+        from workbench.checkpoint.plan_load import parse_layout
+
+        target = parse_layout(args.to)
+    else:
+        target = ParallelConfig(dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp, pp=args.pp,
+                                ep=args.ep, sequence_parallel=args.sp, pp_schedule=args.pp_schedule,
+                                microbatches=args.microbatches, zero=args.zero)
+    plan = plan_load(args.src, target, model=args.model, full_state=not args.weights_only)
+    if args.json:
+        _emit_json({"status": "ok" if plan.loadable else "error", **plan.to_dict()})
+    else:
+        verdict = "loadable" if plan.loadable else "NOT loadable"
+        print(f"{verdict}: {plan.src} ({plan.source_layout}) -> {plan.model} on {plan.target_description} "
+              f"({plan.world_size} ranks); {plan.checked} keys checked, {_human(plan.bytes_to_read)} to read")
+        for r in plan.reasons():
+            print(f"error: {r}", file=sys.stderr)
+        for n in plan.notes:
+            print(f"note: {n}")
+        if plan.unexpected:
+            print(f"note: {len(plan.unexpected)} checkpoint key(s) unused by the target (first: {plan.unexpected[0]})")
+    return 0 if plan.loadable else EXIT_FAILED
+
+
+# --------------------------------------------------------------------------------------------------
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ckpt", help="inspect, verify, diff, convert and plan-load checkpoints",
+                       description="Checkpoint tools. Metadata and headers are read safely (no pickle is executed).")
+    cmds = p.add_subparsers(dest="ckpt_command", required=True, parser_class=type(p))
+
+    def add(name: str, fn, help: str) -> argparse.ArgumentParser:
+        c = cmds.add_parser(name, help=help, description=help)
+        c.add_argument("--json", action="store_true", help="print one JSON document")
+        c.set_defaults(func=_guard(fn))
+        return c
+
+    c = add("inspect", cmd_inspect, "list a checkpoint's tensors (key, kind, dtype, global shape, bytes, shards)")
+    c.add_argument("path", help="run dir, checkpoints dir, step dir, DCP dir, HF dir, .safetensors or torch file")
+    c.add_argument("--kind", choices=["model", "optimizer", "master", "rng", "extra"], help="only this kind")
+    c.add_argument("--filter", help="only keys containing this text")
+    c.add_argument("--limit", type=int, default=30, help="rows to print (default 30)")
+    c.add_argument("--all", action="store_true", help="print every row")
+    c.add_argument("--shards", action="store_true", help="with --json: include every shard (file, rank, block)")
+
+    c = add("verify", cmd_verify, "check checksums, file sizes and that every tensor's chunks tile it (exit 1 if not)")
+    c.add_argument("path")
+    c.add_argument("--deep", action="store_true", help="also read every tensor and report non-finite values")
+
+    c = add("diff", cmd_diff, "compare two checkpoints: keys, shapes, dtypes, and the largest value changes")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.add_argument("--top", type=int, default=10, help="how many of the largest changes to show")
+    c.add_argument("--kind", help="comma-separated kinds to compare (default: all)")
+    c.add_argument("--no-values", action="store_true", help="metadata only: read no tensors")
+
+    c = add("convert", cmd_convert, "convert a checkpoint (streaming, one tensor at a time)")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--to", choices=["hf", "safetensors", "torch", "dcp"], required=True,
+                   help="hf: sharded safetensors + index.json; safetensors: one file; torch: torch.save; dcp")
+    c.add_argument("--include", default="", help="besides the model: comma-separated optimizer,master,rng,extra")
+    c.add_argument("--max-shard-size", default="2GB", help="hf shards up to this size (default 2GB)")
+    c.add_argument("--names", choices=["workbench", "hf-llama"], default="workbench",
+                   help="weight names: this model's FQNs, or Hugging Face Llama names (q/k permuted for RoPE)")
+    c.add_argument("--force", action="store_true", help="replace DST if it exists")
+
+    c = add("plan-load", cmd_plan_load, "dry run: will this checkpoint load into that layout? (exit 1 if not)")
+    c.add_argument("src")
+    c.add_argument("--model", default=None, help="preset or config.json (default: the one the checkpoint records)")
+    c.add_argument("--to", default=None, metavar="LAYOUT",
+                   help="the target layout as text, e.g. 'dp_shard=2,tp=2' (instead of the degree flags)")
+    c.add_argument("--dp-replicate", type=int, default=1)
+    c.add_argument("--dp-shard", type=int, default=1)
+    c.add_argument("--tp", type=int, default=1)
+    c.add_argument("--pp", type=int, default=1)
+    c.add_argument("--ep", type=int, default=1)
+    c.add_argument("--sp", action="store_true")
+    c.add_argument("--pp-schedule", choices=["GPipe", "1F1B", "Interleaved1F1B", "GPipeLean"], default="1F1B")
+    c.add_argument("--microbatches", type=int, default=None)
+    c.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=3)
+    c.add_argument("--weights-only", action="store_true", help="do not require optimizer state (not a resume)")

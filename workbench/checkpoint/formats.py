@@ -1,0 +1,555 @@
+"""Formats: read any checkpoint one tensor at a time, and convert between DCP, safetensors and torch.save.
+
+Every source is seen through *canonical keys*, the workbench DCP names (``model.<fqn>``, ``optim.state...``,
+``master.<fqn>``), whatever its file format, so that diff, export and import agree on names::
+
+    DCP / workbench step dir     model.layers.0.attention.wq.weight      (as stored)
+    HF export (names="workbench") layers.0.attention.wq.weight           ("model." stripped from weights)
+    HF export (names="hf-llama")  model.layers.0.self_attn.q_proj.weight (Hugging Face Llama names)
+    optimizer / master shard sets optim.state.<fqn>.exp_avg, master.<fqn> (kept whole: they need a prefix)
+
+Conversions stream: tensors are read and written one at a time, so peak memory is one tensor (plus one
+shard for torch.save output, which needs the whole dict). DCP reads go through
+``dcp.load({key: tensor}, storage_reader=SafeFileSystemReader(...))``, single process, no process group.
+safetensors files are written by a streaming writer: the header is known up front from the manifest::
+
+    [8-byte N][N bytes JSON header, space-padded to 8][tensor 0 bytes][tensor 1 bytes]...
+
+Hugging Face Llama weights rotate the halves ``(x[:d/2], x[d/2:])`` of each head; this model rotates the
+pairs ``(x[2i], x[2i+1])``. With ``names="hf-llama"`` the rows of wq and wk are permuted per head so that
+both conventions compute the same attention scores (the permutation Meta's conversion script uses).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from workbench.checkpoint.inspect import inspect
+from workbench.checkpoint.manifest import CheckpointManifest
+from workbench.checkpoint.safeload import SAFETENSORS_DTYPES, CheckpointFormatError, read_torch_file
+
+__all__ = ["TensorSource", "open_source", "read_tensor", "iter_tensors", "export", "ExportResult",
+           "load_into", "parse_size", "model_config_of", "FORMATS"]
+
+FORMATS = ("hf", "safetensors", "torch", "dcp")
+_PREFIXES = ("model", "optim", "master", "rng", "ema", "sched", "extra")
+_ST_CODE = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+_SHARD_SET = {"model": "model", "optimizer": "optimizer", "master": "master", "rng": "rng", "extra": "extra"}
+
+
+def parse_size(size: int | str) -> int:
+    """``2GB`` -> 2_000_000_000 (decimal, like Hugging Face), ``512MiB`` -> 536_870_912, ints as bytes."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(size), re.I)
+    if not m:
+        raise ValueError(f"max shard size {size!r} is not a size; write e.g. 2GB, 500MB or 1048576")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face Llama names
+# --------------------------------------------------------------------------------------------------
+
+_LLAMA_LAYER = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+                "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+                "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
+                "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm",
+                "ffn_norm": "post_attention_layernorm"}
+_LLAMA_ROOT = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
+_HF_LLAMA_HINT = re.compile(r"(^|\.)(self_attn|embed_tokens|lm_head|input_layernorm)(\.|$)")
+
+
+def to_hf_llama_name(fqn: str) -> str:
+    """``layers.3.attention.wq.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    if fqn in _LLAMA_ROOT:
+        return _LLAMA_ROOT[fqn]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", fqn)
+    if not m or m.group(2) not in _LLAMA_LAYER:
+        raise ValueError(f"{fqn!r} has no Hugging Face Llama name (mixture-of-experts weights have none); "
+                         "export with names='workbench'")
+    return f"model.layers.{m.group(1)}.{_LLAMA_LAYER[m.group(2)]}.{m.group(3)}"
+
+
+def from_hf_llama_name(name: str) -> str:
+    inv_root = {v: k for k, v in _LLAMA_ROOT.items()}
+    if name in inv_root:
+        return inv_root[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    inv = {v: k for k, v in _LLAMA_LAYER.items()}
+    if not m or m.group(2) not in inv:
+        raise ValueError(f"{name!r} is not a Hugging Face Llama weight name this model has")
+    return f"layers.{m.group(1)}.{inv[m.group(2)]}.{m.group(3)}"
+
+
+def _rope_permute(w: torch.Tensor, heads: int, to_hf: bool) -> torch.Tensor:
+    """Rows of a q/k projection, per head: pairs (2i, 2i+1) <-> halves (i, i + d/2)."""
+    out, inp = w.shape
+    d = out // heads
+    if to_hf:
+        return w.view(heads, d // 2, 2, inp).transpose(1, 2).reshape(out, inp)
+    return w.view(heads, 2, d // 2, inp).transpose(1, 2).reshape(out, inp)
+
+
+def _heads_for(fqn: str, model_cfg) -> int | None:
+    if model_cfg is None:
+        return None
+    if fqn.endswith("attention.wq.weight"):
+        return model_cfg.n_heads
+    if fqn.endswith("attention.wk.weight"):
+        return model_cfg.n_kv_heads
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading: one tensor at a time, under canonical keys
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class TensorSource:
+    """A checkpoint opened for reading tensors one at a time under canonical (workbench DCP) keys.
+
+    ``keys`` maps canonical key -> stored key; ``manifest`` is the source's own manifest.
+    """
+
+    manifest: CheckpointManifest
+    names: str = "workbench"  # how the source names weights: "workbench" or "hf-llama"
+    model_cfg: Any = None  # ModelConfig, needed to undo the hf-llama q/k permutation
+    keys: dict[str, str] = field(default_factory=dict)
+    _handles: dict[str, Any] = field(default_factory=dict, repr=False)
+    _reader: Any = field(default=None, repr=False)
+    _torch: dict[str, Any] | None = field(default=None, repr=False)
+
+    def canonical_rows(self) -> list[dict]:
+        """Manifest rows (tensors only) renamed to canonical keys, in the source's order."""
+        rows = []
+        stored_to_canon = {v: k for k, v in self.keys.items()}
+        for r in self.manifest.tensors().to_dict("records"):
+            if r["key"] in stored_to_canon:
+                rows.append({**r, "key": stored_to_canon[r["key"]], "stored_key": r["key"]})
+        return rows
+
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor stored under canonical ``key``, read on its own (CPU, its stored dtype)."""
+        if key not in self.keys:
+            import difflib
+
+            close = difflib.get_close_matches(key, list(self.keys), n=3)
+            raise KeyError(f"{key!r} is not a tensor of {self.manifest.path}" + (f"; did you mean {close}?" if close else ""))
+        stored = self.keys[key]
+        t = self._read_stored(stored)
+        if self.names == "hf-llama":
+            heads = _heads_for(key.removeprefix("model."), self.model_cfg)
+            if heads:
+                t = _rope_permute(t, heads, to_hf=False)
+        return t
+
+    def _read_stored(self, stored: str) -> torch.Tensor:
+        m = self.manifest
+        row = m.row(stored)
+        if row["shape"] is None:
+            raise CheckpointFormatError(m.path, f"{stored!r} is a pickled value, not a tensor; it is not loaded",
+                                        "only tensors are read (unpickling checkpoint values runs code)")
+        if m.format in ("dcp", "workbench"):
+            return self._read_dcp(stored, row)
+        if m.format in ("hf", "safetensors"):
+            from safetensors import safe_open
+
+            rel = row["shards"][0]["file"]
+            f = m.path / rel if m.path.is_dir() else m.path
+            if rel not in self._handles:
+                self._handles[rel] = safe_open(str(f), framework="pt", device="cpu")
+            return self._handles[rel].get_tensor(stored)
+        if self._torch is None:
+            self._torch = read_torch_file(m.path)
+        return self._torch[stored]
+
+    def _read_dcp(self, stored: str, row: dict) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from workbench.checkpoint.safeload import SafeFileSystemReader
+
+        if self._reader is None:
+            self._reader = SafeFileSystemReader(str(self.manifest.path))
+        t = torch.empty(row["shape"], dtype=getattr(torch, row["dtype"]))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
+                dcp.load({stored: t}, storage_reader=self._reader, no_dist=True)
+        except CheckpointFormatError:
+            raise
+        except (Exception, CheckpointException) as e:  # (DCP's CheckpointException is a BaseException)
+            # a corrupted or truncated shard: torch.load of its slice fails inside DCP's read step
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            msg = (lines[-1] if lines else type(e).__name__).split(". ")[0][:160]
+            raise CheckpointFormatError(self._bad_file(row), f"cannot read {stored!r} ({msg})",
+                                        "the shard file is corrupted or truncated; run `workbench ckpt verify` "
+                                        "and restore it or use another step") from None
+        return t
+
+    def _bad_file(self, row: dict) -> Path:
+        """The shard file whose slice for ``row`` does not load (tried one by one; for error messages)."""
+        import io
+
+        for s in row["shards"]:
+            f = self.manifest.path / s["file"]
+            try:
+                with open(f, "rb") as fh:
+                    fh.seek(s["byte_offset"])
+                    data = fh.read(s["byte_length"])
+                torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception:
+                return f
+        return self.manifest.path
+
+
+def model_config_of(m: CheckpointManifest):
+    """The ModelConfig a checkpoint records (workbench.json job, export metadata, config.json), or None."""
+    from workbench.config import ModelConfig
+
+    job = m.info.get("job") or {}
+    if "model" in job:
+        return ModelConfig.from_dict(job["model"])
+    if isinstance(m.info.get("model"), dict):
+        return ModelConfig.from_dict(m.info["model"])
+    cfg = (m.path if m.path.is_dir() else m.path.parent) / "config.json"
+    if cfg.exists():
+        try:
+            return ModelConfig.from_hf_config(cfg)
+        except ValueError:
+            return None
+    return None
+
+
+def open_source(src: "str | os.PathLike | CheckpointManifest | TensorSource", names: str = "auto",
+                model_cfg=None) -> TensorSource:
+    """Open ``src`` for tensor reads. ``names``: "auto" (detect), "workbench" or "hf-llama"."""
+    if isinstance(src, TensorSource):
+        return src
+    m = src if isinstance(src, CheckpointManifest) else inspect(src)
+    stored = list(m.tensors()["key"])
+    if names == "auto":
+        names = m.info.get("names") or ("hf-llama" if any(_HF_LLAMA_HINT.search(k) for k in stored) else "workbench")
+    keys: dict[str, str] = {}
+    for k in stored:
+        if m.format in ("dcp", "workbench"):
+            canon = k
+        elif names == "hf-llama" and (k.startswith("model.") or k == "lm_head.weight"):
+            try:
+                canon = "model." + from_hf_llama_name(k)
+            except ValueError:  # e.g. rotary_emb.inv_freq buffers of older exports: kept, under their own name
+                canon = "unmapped." + k
+        elif k.split(".", 1)[0] in _PREFIXES:
+            canon = k
+        else:
+            canon = "model." + k
+        keys[canon] = k
+    cfg = model_cfg or model_config_of(m)
+    if names == "hf-llama" and cfg is None:
+        raise CheckpointFormatError(m.path, "Hugging Face Llama names need the model's head counts to undo the "
+                                    "q/k rotary permutation", "put its config.json next to the weights or pass "
+                                    "model_cfg=ModelConfig(...)")
+    return TensorSource(manifest=m, names=names, model_cfg=cfg, keys=keys)
+
+
+def read_tensor(src, key: str) -> torch.Tensor:
+    """One tensor of any checkpoint, by canonical key (``model.<fqn>`` etc.), read on its own."""
+    return open_source(src).get(key)
+
+
+def iter_tensors(src, keys: Iterable[str] | None = None, kinds: Iterable[str] | None = None,
+                 progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(canonical key, tensor)`` one at a time; drop each before the next to keep memory at one tensor."""
+    source = open_source(src)
+    rows = source.canonical_rows()
+    if kinds is not None:
+        kinds = set(kinds)
+        rows = [r for r in rows if r["kind"] in kinds]
+    if keys is not None:
+        wanted = list(keys)
+        have = {r["key"] for r in rows}
+        rows = [{"key": k} for k in wanted if k in have]
+    for r in tqdm(rows, desc="tensors", unit="tensor", disable=not progress, leave=False):
+        yield r["key"], source.get(r["key"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------
+
+def _tensor_bytes(t: torch.Tensor):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def write_safetensors_streaming(path: Path, entries: list[tuple[str, torch.dtype, tuple]],
+                                tensor_of: Callable[[int, str], torch.Tensor],
+                                metadata: dict[str, str] | None = None) -> int:
+    """Write a safetensors file whose entries are known up front, fetching one tensor at a time.
+
+    ``entries``: ``(name, dtype, shape)`` in file order; ``tensor_of(i, name)`` returns entry ``i``.
+    Returns the file size.
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape in entries:
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _ST_CODE[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for i, (name, dtype, shape) in enumerate(entries):
+            t = tensor_of(i, name)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: expected {dtype}{list(shape)}, read {t.dtype}{list(t.shape)}")
+            f.write(_tensor_bytes(t))
+            del t
+    os.replace(tmp, path)
+    return 8 + len(raw) + offset
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export` wrote."""
+
+    dst: Path
+    to: str
+    files: list[str]
+    tensors: int
+    bytes: int
+    by_kind: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dst": str(self.dst), "to": self.to, "files": self.files, "tensors": self.tensors,
+                "bytes": self.bytes, "bytes_by_kind": self.by_kind}
+
+    def _repr_html_(self) -> str:
+        return (f"<b>exported</b> {self.tensors} tensors ({self.bytes:,} bytes) to <code>{self.dst}</code> as "
+                f"{self.to}: {', '.join(self.files[:6])}{' ...' if len(self.files) > 6 else ''}")
+
+
+def _out_name(canon: str, kind: str, names: str) -> str:
+    if kind != "model" or not canon.startswith("model."):
+        return canon
+    fqn = canon.removeprefix("model.")
+    return to_hf_llama_name(fqn) if names == "hf-llama" else fqn
+
+
+def _prepare_dst(dst: Path, overwrite: bool, is_dir: bool) -> None:
+    if dst.exists():
+        if not overwrite:
+            raise FileExistsError(f"{dst} already exists; choose another destination or pass overwrite=True (--force)")
+        shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
+    (dst if is_dir else dst.parent).mkdir(parents=True, exist_ok=True)
+
+
+def _hf_config(cfg, dtype: str = "float32") -> dict[str, Any]:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
+            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.ffn_hidden,
+            "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+            "torch_dtype": dtype}
+
+
+def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] = ("model",),
+           max_shard_size: int | str = "2GB", names: str = "workbench", overwrite: bool = False,
+           progress: bool = True) -> ExportResult:
+    """Convert ``src`` (any checkpoint) to ``to``, streaming tensor by tensor.
+
+    ``to``: ``hf`` (a directory of ``<set>-0000i-of-0000n.safetensors`` + ``<set>.safetensors.index.json`` per
+    shard set: model, optimizer, master), ``safetensors`` (one consolidated file), ``torch`` (one
+    torch.save file) or ``dcp`` (a single-writer DCP directory, from a non-DCP source). ``include``: the
+    kinds to export ("model", "optimizer", "master", "rng", "extra"). ``names``: "workbench" or "hf-llama"
+    (applies to weights; optimizer state keeps its workbench keys). A failed export removes ``dst``.
+    """
+    if to not in FORMATS:
+        raise ValueError(f"unknown format {to!r}; choose one of {list(FORMATS)}")
+    if names not in ("workbench", "hf-llama"):
+        raise ValueError(f"names={names!r} is unknown; choose 'workbench' or 'hf-llama'")
+    include = list(dict.fromkeys(include))
+    bad = sorted(set(include) - set(_SHARD_SET))
+    if bad:
+        raise ValueError(f"unknown kind(s) {bad} in include; choose from {list(_SHARD_SET)}")
+    source = open_source(src)
+    m = source.manifest
+    rows = [r for r in source.canonical_rows() if r["kind"] in include]
+    if not rows:
+        raise ValueError(f"{m.path} has no tensors of kind(s) {include}; it holds "
+                         f"{sorted(set(m.tensors()['kind']))}")
+    if to == "dcp" and m.format in ("dcp", "workbench"):
+        raise ValueError(f"{m.path} is already DCP: DCP reshards at load time (see plan_load); "
+                         "convert to hf/safetensors/torch instead")
+    dst = Path(dst)
+    model_cfg = source.model_cfg
+    if names == "hf-llama" and model_cfg is None:
+        raise ValueError(f"names='hf-llama' needs the model config (head counts) and {m.path} does not record it; "
+                         "export with names='workbench'")
+    meta = {"format": "pt", "source": str(m.path), "names": names}
+    if m.step is not None:
+        meta["step"] = str(m.step)
+
+    def fetch(canon: str) -> torch.Tensor:
+        t = source.get(canon)
+        heads = _heads_for(canon.removeprefix("model."), model_cfg) if names == "hf-llama" else None
+        return _rope_permute(t, heads, to_hf=True) if heads else t
+
+    by_kind: dict[str, int] = {}
+    for r in rows:
+        by_kind[r["kind"]] = by_kind.get(r["kind"], 0) + int(r["bytes"])
+    total = sum(by_kind.values())
+    limit = parse_size(max_shard_size)
+    _prepare_dst(dst, overwrite, is_dir=to in ("hf", "dcp"))
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"export {to}", disable=not progress, leave=False)
+
+    def fetch_counted(canon: str) -> torch.Tensor:
+        t = fetch(canon)
+        bar.update(t.numel() * t.element_size())
+        return t
+
+    files: list[str] = []
+    try:
+        if to == "hf":
+            for kind in include:
+                set_rows = [r for r in rows if r["kind"] == kind]
+                if not set_rows:
+                    continue
+                prefix = _SHARD_SET[kind]
+                shards: list[list[dict]] = [[]]
+                size = 0
+                for r in set_rows:  # greedy, in key order, like Hugging Face's shard_checkpoint
+                    if shards[-1] and size + r["bytes"] > limit:
+                        shards.append([])
+                        size = 0
+                    shards[-1].append(r)
+                    size += r["bytes"]
+                weight_map = {}
+                for i, shard in enumerate(shards):
+                    fname = f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                    entries = [(_out_name(r["key"], kind, names), getattr(torch, r["dtype"]), tuple(r["shape"]))
+                               for r in shard]
+                    write_safetensors_streaming(dst / fname, entries, lambda j, _n, s=shard: fetch_counted(s[j]["key"]),
+                                                meta)
+                    weight_map.update({e[0]: fname for e in entries})
+                    files.append(fname)
+                index = {"metadata": {"total_size": by_kind[kind], "format": "workbench-export", "names": names,
+                                      "kind": kind, **({"step": m.step} if m.step is not None else {}),
+                                      **({"model": model_cfg.to_dict()} if model_cfg is not None else {})},
+                         "weight_map": weight_map}
+                (dst / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+                files.append(f"{prefix}.safetensors.index.json")
+            model_rows = [r for r in rows if r["kind"] == "model"]
+            if model_cfg is not None and model_rows:
+                dtype = model_rows[0]["dtype"]
+                (dst / "config.json").write_text(json.dumps(_hf_config(model_cfg, dtype), indent=2))
+                files.append("config.json")
+        elif to == "safetensors":
+            entries = [(_out_name(r["key"], r["kind"], names), getattr(torch, r["dtype"]), tuple(r["shape"]))
+                       for r in rows]
+            write_safetensors_streaming(dst, entries, lambda j, _n: fetch_counted(rows[j]["key"]),
+                                        {**meta, **({"model": json.dumps(model_cfg.to_dict())} if model_cfg else {})})
+            files.append(dst.name)
+        elif to == "torch":
+            # torch.save takes one dict: this output alone holds every exported tensor in memory.
+            sd = {_out_name(r["key"], r["kind"], names): fetch_counted(r["key"]) for r in rows}
+            torch.save(sd, dst)
+            files.append(dst.name)
+        else:  # dcp
+            _save_dcp_from(source, rows, dst, fetch_counted)
+            files = sorted(f.name for f in dst.iterdir())
+    except BaseException:  # no half-written export is left behind to be mistaken for a whole one
+        shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    return ExportResult(dst=dst, to=to, files=files, tensors=len(rows), bytes=total, by_kind=by_kind)
+
+
+def _save_dcp_from(source: TensorSource, rows: list[dict], dst: Path, fetch) -> None:
+    """A single-writer DCP checkpoint (dcp.save takes one dict).
+
+    Safetensors sources with workbench names are memory-mapped, so that dict costs no anonymous memory;
+    other sources (torch.save is mmapped by torch.load too; hf-llama names need the q/k permutation) are
+    read tensor by tensor into it.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    m = source.manifest
+    sd: dict[str, torch.Tensor] = {}
+    if m.format in ("hf", "safetensors") and source.names == "workbench":
+        mapped = _mmap_safetensors(m)
+        for r in rows:
+            sd[r["key"]] = mapped[r["stored_key"]]
+    else:
+        for r in rows:
+            sd[r["key"]] = fetch(r["key"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(dst), single_file_per_rank=True), no_dist=True)
+
+
+def _mmap_safetensors(m: CheckpointManifest) -> dict[str, torch.Tensor]:
+    """Stored key -> a tensor viewing the file's pages (copy-on-write map; nothing read until used)."""
+    import numpy as np
+
+    from workbench.checkpoint.safeload import read_safetensors_header
+
+    out = {}
+    for rel in m.files:
+        if not rel.endswith(".safetensors"):
+            continue
+        f = m.path / rel if m.path.is_dir() else m.path
+        header, start = read_safetensors_header(f)
+        buf = np.memmap(f, dtype=np.uint8, mode="c")
+        for key, e in header.items():
+            if key == "__metadata__":
+                continue
+            b, end = e["data_offsets"]
+            dtype = SAFETENSORS_DTYPES[e["dtype"]]
+            t = torch.from_numpy(buf[start + b:start + end]) if end > b else torch.empty(0, dtype=torch.uint8)
+            out[key] = t.view(dtype).reshape(e["shape"])
+    return out
+
+
+def load_into(model: torch.nn.Module, src, strict: bool = True, progress: bool = True) -> dict[str, list[str]]:
+    """Copy a checkpoint's model weights into ``model`` (plain tensors), one tensor at a time.
+
+    Returns ``{"missing": [...], "unexpected": [...]}`` (FQNs); raises ValueError on a shape mismatch,
+    or when ``strict`` and any key is missing or unexpected.
+    """
+    source = open_source(src)
+    have = {k.removeprefix("model."): k for k in source.keys if k.startswith("model.")}
+    sd = model.state_dict()
+    missing = sorted(set(sd) - set(have))
+    unexpected = sorted(set(have) - set(sd))
+    if strict and (missing or unexpected):
+        raise ValueError(f"{source.manifest.path} does not match the model: {len(missing)} missing "
+                         f"(first {missing[:2]}), {len(unexpected)} unexpected (first {unexpected[:2]}); "
+                         "pass strict=False to load the overlap")
+    with torch.no_grad():
+        for fqn in tqdm([k for k in sd if k in have], desc="load", unit="tensor", disable=not progress, leave=False):
+            t = source.get(have[fqn])
+            if tuple(t.shape) != tuple(sd[fqn].shape):
+                raise ValueError(f"{fqn}: checkpoint shape {list(t.shape)} != model shape {list(sd[fqn].shape)}; "
+                                 "the checkpoint is of another model config")
+            sd[fqn].copy_(t)
+    return {"missing": missing, "unexpected": unexpected}

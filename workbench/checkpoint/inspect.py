@@ -1,0 +1,255 @@
+"""``inspect(path)``: any checkpoint -> :class:`CheckpointManifest`, from metadata and headers only.
+
+Accepted paths, and what they resolve to::
+
+    runs/r1                                a run directory       -> runs/r1/checkpoints/latest
+    runs/r1/checkpoints                    a checkpoints dir     -> the step named in ``latest`` (else the newest)
+    runs/r1/checkpoints/latest             the pointer file      -> runs/r1/checkpoints/step-000123
+    runs/r1/checkpoints/step-000123        a workbench step dir  (DCP + workbench.json)
+    some/dcp_dir                           plain DCP (.metadata + __<rank>_<i>.distcp)
+    hf_dir/                                sharded safetensors with *.safetensors.index.json
+    model.safetensors | dir of *.safetensors
+    model.pt                               a torch.save zip archive (weights_only)
+
+No tensor data is read: a 70B checkpoint inspects as fast as a tiny one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from workbench.checkpoint.manifest import CheckpointManifest, classify
+from workbench.checkpoint.safeload import (SAFETENSORS_DTYPES, CheckpointFormatError, read_dcp_metadata,
+                                           read_safetensors_header, read_torch_file)
+
+__all__ = ["inspect", "resolve_checkpoint", "dcp_file_rank"]
+
+_DISTCP = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_NOT_A_CHECKPOINT = ("pass a run directory, its checkpoints/ directory, a step-NNNNNN directory, a DCP directory, "
+                     "a directory with *.safetensors(.index.json), a .safetensors file or a torch.save file")
+
+
+def dcp_file_rank(name: str) -> int | None:
+    """The writer rank of a DCP data file: ``__<rank>_<i>.distcp`` -> rank."""
+    m = _DISTCP.match(Path(name).name)
+    return int(m.group(1)) if m else None
+
+
+def _newest_step(ckpt_dir: Path) -> Path | None:
+    steps = sorted((int(m.group(1)), d) for d in ckpt_dir.iterdir()
+                   if d.is_dir() and (m := _STEP_DIR.match(d.name)) and (d / ".metadata").exists())
+    complete = [d for _, d in steps if (d / "workbench.json").exists()]
+    return (complete or [d for _, d in steps] or [None])[-1]
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> tuple[str, Path]:
+    """``(format, path)`` for any accepted path (see the module docstring); CheckpointFormatError if none."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointFormatError(p, "no such file or directory", "check the path")
+    if p.is_file():
+        if p.name == "latest":
+            target = p.parent / p.read_text().strip()
+            if not target.is_dir():
+                raise CheckpointFormatError(p, f"points at {target.name!r}, which does not exist",
+                                            "pass one of the step-* directories next to it")
+            return resolve_checkpoint(target)
+        if p.name == ".metadata":
+            return resolve_checkpoint(p.parent)
+        if p.name.endswith(".safetensors.index.json"):
+            return "hf", p.parent
+        if p.suffix == ".safetensors":
+            return "safetensors", p
+        if p.name == "workbench.json":
+            return resolve_checkpoint(p.parent)
+        if zipfile.is_zipfile(p):
+            return "torch", p
+        with open(p, "rb") as f:
+            head = f.read(8)
+        if len(head) == 8 and int.from_bytes(head, "little") < p.stat().st_size:  # an unsuffixed safetensors?
+            try:
+                read_safetensors_header(p)
+                return "safetensors", p
+            except CheckpointFormatError:
+                pass
+        raise CheckpointFormatError(p, "not a checkpoint file (neither safetensors nor a torch.save zip)",
+                                    _NOT_A_CHECKPOINT)
+    if (p / ".metadata").exists():
+        return ("workbench" if (p / "workbench.json").exists() else "dcp"), p
+    if any(p.glob("*.safetensors.index.json")):
+        return "hf", p
+    if (p / "checkpoints").is_dir():
+        return resolve_checkpoint(p / "checkpoints")
+    if (p / "latest").is_file():
+        return resolve_checkpoint(p / "latest")
+    newest = _newest_step(p)
+    if newest is not None:
+        return resolve_checkpoint(newest)
+    if any(p.glob("*.safetensors")):
+        return "safetensors", p
+    if any(_DISTCP.match(f.name) for f in p.iterdir()):
+        raise CheckpointFormatError(p / ".metadata", "no such file (the directory has .distcp shards but no "
+                                    ".metadata)", "the save did not finish; use an earlier step")
+    raise CheckpointFormatError(p, "not a checkpoint directory", _NOT_A_CHECKPOINT)
+
+
+def _row(key: str, dtype: str, shape, nbytes: int, kind: str, shards: list[dict]) -> dict[str, Any]:
+    return {"key": key, "dtype": dtype, "shape": None if shape is None else tuple(int(s) for s in shape),
+            "bytes": int(nbytes), "kind": kind, "shards": shards}
+
+
+def _frame(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=list(CheckpointManifest.COLUMNS))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------------------------------
+# readers per format
+# --------------------------------------------------------------------------------------------------
+
+def _read_dcp(root: Path) -> tuple[list[dict], list[str]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = read_dcp_metadata(root)
+    storage = {}
+    for idx, info in md.storage_data.items():
+        storage[(idx.fqn, None if idx.offset is None else tuple(idx.offset))] = info
+    rows = []
+    for fqn, meta in md.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            shape = tuple(meta.size)
+            dtype = meta.properties.dtype
+            shards = []
+            for chunk in meta.chunks:
+                info = storage.get((fqn, tuple(chunk.offsets)))
+                shards.append({"file": None if info is None else info.relative_path,
+                               "rank": None if info is None else dcp_file_rank(info.relative_path),
+                               "offsets": [int(o) for o in chunk.offsets], "lengths": [int(s) for s in chunk.sizes],
+                               "byte_offset": None if info is None else int(info.offset),
+                               "byte_length": None if info is None else int(info.length)})
+            rows.append(_row(fqn, _dtype_name(dtype), shape, math.prod(shape) * dtype.itemsize,
+                             classify(fqn, True), shards))
+        else:  # BytesStorageMetadata: a pickled plain value (lr, step counter, ...), never unpickled here
+            info = storage.get((fqn, None))
+            shards = [] if info is None else [{"file": info.relative_path, "rank": dcp_file_rank(info.relative_path),
+                                              "offsets": [], "lengths": [], "byte_offset": int(info.offset),
+                                              "byte_length": int(info.length)}]
+            rows.append(_row(fqn, "bytes", None, 0 if info is None else info.length, classify(fqn, False), shards))
+    files = sorted({info.relative_path for info in md.storage_data.values()})
+    return rows, files
+
+
+def _safetensors_rows(file: Path, rel: str) -> list[dict]:
+    header, start = read_safetensors_header(file)
+    rows = []
+    for key, e in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES[e["dtype"]]
+        b, end = e["data_offsets"]
+        shards = [{"file": rel, "rank": None, "offsets": [0] * len(e["shape"]), "lengths": list(e["shape"]),
+                   "byte_offset": start + b, "byte_length": end - b}]
+        rows.append(_row(key, _dtype_name(dtype), e["shape"], end - b, classify(key, True), shards))
+    return rows
+
+
+def _read_hf(root: Path) -> tuple[list[dict], list[str], dict]:
+    rows, files, info = [], [], {}
+    for index in sorted(root.glob("*.safetensors.index.json")):
+        try:
+            doc = json.loads(index.read_text())
+            weight_map = doc["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointFormatError(index, "not a safetensors index (needs a JSON object with weight_map)",
+                                        "re-export the checkpoint") from None
+        meta = doc.get("metadata") or {}
+        for k in ("step", "layout", "world_size", "source", "names", "model"):
+            if k in meta and k not in info:
+                info[k] = meta[k]
+        listed = set()
+        for rel in sorted(set(weight_map.values())):
+            f = root / rel
+            if not f.exists():
+                raise CheckpointFormatError(f, f"listed in {index.name} but missing", "copy the missing shard file "
+                                            "next to the index, or re-export")
+            for r in _safetensors_rows(f, rel):
+                if weight_map.get(r["key"]) == rel:
+                    rows.append(r)
+                    listed.add(r["key"])
+            files.append(rel)
+        missing = sorted(set(weight_map) - listed)
+        if missing:
+            raise CheckpointFormatError(index, f"{len(missing)} key(s) of the weight_map are in no shard "
+                                        f"(first: {missing[0]!r})", "re-export the checkpoint")
+    return rows, files, info
+
+
+def _read_torch(path: Path) -> list[dict]:
+    rows = []
+    for key, value in read_torch_file(path).items():
+        if isinstance(value, torch.Tensor):
+            shape = tuple(value.shape)
+            shards = [{"file": path.name, "rank": None, "offsets": [0] * len(shape), "lengths": list(shape),
+                       "byte_offset": None, "byte_length": None}]
+            rows.append(_row(key, _dtype_name(value.dtype), shape, value.numel() * value.element_size(),
+                             classify(key, True), shards))
+        else:
+            rows.append(_row(key, type(value).__name__, None, 0, classify(key, False), []))
+    return rows
+
+
+def inspect(path: "str | os.PathLike | CheckpointManifest") -> CheckpointManifest:
+    """What is in the checkpoint at ``path``: a :class:`CheckpointManifest` (metadata and headers only)."""
+    if isinstance(path, CheckpointManifest):
+        return path
+    fmt, root = resolve_checkpoint(path)
+    info: dict[str, Any] = {}
+    if fmt in ("workbench", "dcp"):
+        rows, files = _read_dcp(root)
+        if fmt == "workbench":
+            try:
+                info = json.loads((root / "workbench.json").read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointFormatError(root / "workbench.json", f"not valid JSON ({e.msg})",
+                                            "the file is corrupted; restore it or use another step") from None
+            if info.get("format") != "workbench-checkpoint":
+                raise CheckpointFormatError(root / "workbench.json", f"format={info.get('format')!r} is not "
+                                            "'workbench-checkpoint'", "remove the file to read the directory as "
+                                            "plain DCP")
+    elif fmt == "hf":
+        rows, files, info = _read_hf(root)
+    elif fmt == "safetensors":
+        paths = [root] if root.is_file() else sorted(root.glob("*.safetensors"))
+        rows, files = [], []
+        for f in paths:
+            rel = f.name
+            rows += _safetensors_rows(f, rel)
+            files.append(rel)
+            if root.is_file():
+                hdr, _ = read_safetensors_header(f)
+                meta = hdr.get("__metadata__") or {}
+                if "step" in meta:
+                    info["step"] = int(meta["step"])
+                if meta.get("names") in ("workbench", "hf-llama"):
+                    info["names"] = meta["names"]
+                try:
+                    info["model"] = json.loads(meta["model"]) if "model" in meta else None
+                except json.JSONDecodeError:
+                    pass
+                info = {k: v for k, v in info.items() if v is not None}
+    else:
+        rows, files = _read_torch(root), [root.name]
+    return CheckpointManifest(path=root, format=fmt, frame=_frame(rows), info=info, files=files)

@@ -1,0 +1,191 @@
+"""Loading a checkpoint into whatever layout the model has now: model only, or the full train state.
+
+DCP stores every tensor under its global key with each shard's global offsets. Loading asks for the
+tensors *this* layout holds (a tp shard, an FSDP shard, a whole replicated tensor) and DCP reads the
+overlapping pieces of whichever shards were saved::
+
+    saved under tp=2:      wq = [rows 0..63 | rows 64..127]        (one file per rank)
+    loaded by dp_shard=2:  rank 0 asks rows 0..63, rank 1 rows 64..127    -> same bytes, new owners
+    loaded by 1 process:   asks rows 0..127                                -> both files
+
+So save under tp=2 and load under dp_shard=2, fsdp x tp into one process, pp=2 into pp=1 (a pipeline
+rank's keys are the full model's FQNs), ep=2 into ep=1: all the same call.
+
+Before anything is read, the request is checked against the checkpoint's metadata, and a different
+model is refused in one line naming the first key that does not fit::
+
+    ValueError: checkpoint step-000003 does not fit this model: model.tok_embeddings.weight is
+    (256, 128) in the checkpoint but (512, 128) here; use the model config it was saved with
+
+``.metadata`` (a pickle written by DCP) is read with ``workbench.checkpoint.safeload``'s unpickler,
+which only admits DCP's metadata classes, ``torch.Size`` and dtypes; every key loaded is a tensor, read
+with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import html
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from workbench.checkpoint.safeload import SafeFileSystemReader, read_dcp_metadata
+from workbench.checkpoint.state import TrainState
+from workbench.checkpoint.store import MANIFEST, read_manifest, resolve_checkpoint
+
+__all__ = ["load", "LoadResult", "read_metadata", "checkpoint_shapes", "check_model_fits", "check_resume"]
+
+def read_metadata(ckpt_dir: str | Path) -> Metadata:
+    """DCP's ``.metadata`` of a checkpoint directory, through ``safeload``'s restricted unpickler."""
+    return read_dcp_metadata(ckpt_dir)
+
+
+def checkpoint_shapes(ckpt_dir: str | Path, metadata: Metadata | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Global key -> (shape, dtype) of every tensor in the checkpoint."""
+    md = metadata if metadata is not None else read_metadata(ckpt_dir)
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)}
+
+
+def _leaves(sd: dict[str, Any], prefix: str = ""):
+    """(flat DCP key, containing dict, key in it) for every tensor of a nested state dict."""
+    for k, v in list(sd.items()):
+        if isinstance(v, dict):
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", sd, k
+
+
+def _fmt(shape) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def check_model_fits(ckpt_dir: str | Path, model_state: dict[str, torch.Tensor], name: str | None = None,
+                     shapes: dict | None = None) -> None:
+    """Raise one ValueError naming the first ``model.*`` key that is missing or has another shape."""
+    shapes = shapes if shapes is not None else checkpoint_shapes(ckpt_dir)
+    name = name or Path(ckpt_dir).name
+    for fqn, t in model_state.items():
+        key = f"model.{fqn}"
+        if key not in shapes:
+            raise ValueError(f"checkpoint {name} does not fit this model: it has no {key}; "
+                             "use the model config it was saved with (see its workbench.json)")
+        if tuple(t.shape) != shapes[key][0]:
+            raise ValueError(f"checkpoint {name} does not fit this model: {key} is {_fmt(shapes[key][0])} in "
+                             f"the checkpoint but {_fmt(t.shape)} here; use the model config it was saved with")
+
+
+@dataclass
+class LoadResult:
+    """What was loaded: from where, which step, and which parts of the state."""
+
+    path: Path
+    step: int
+    consumed_samples: int
+    kinds: list[str]
+    skipped: list[str] = field(default_factory=list)  # keys asked for but not in the checkpoint
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "step": self.step, "consumed_samples": self.consumed_samples,
+                "kinds": self.kinds, "skipped": self.skipped,
+                "saved_layout": self.manifest.get("layout"), "saved_world_size": self.manifest.get("world_size")}
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
+                       for k, v in self.to_dict().items())
+        return f"<table><caption>Loaded checkpoint</caption>{rows}</table>"
+
+
+def _group(process_group):
+    if not dist.is_initialized():
+        return None
+    return process_group or dist.group.WORLD
+
+
+def _resolve_everywhere(path: str | Path, group, verify: bool) -> Path:
+    """Rank 0 resolves (and verifies) the checkpoint; every rank gets the same answer or error."""
+    rank = dist.get_rank(group) if group is not None else 0
+    answer: list[Any] = [None]
+    if rank == 0:
+        try:
+            answer[0] = str(resolve_checkpoint(path, verify_checksums=verify))
+        except ValueError as e:
+            answer[0] = ValueError(str(e))
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(answer, src=dist.get_global_rank(group, 0), group=group)
+    if isinstance(answer[0], ValueError):
+        raise answer[0]
+    return Path(answer[0])
+
+
+def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         scheduler=None, ema=None, rng: bool = False, process_group=None, verify: bool = True) -> LoadResult:
+    """Load a checkpoint into ``model`` as it is laid out now (any layout); with ``optimizer``, the full state.
+
+    ``path``: a ``step-NNNNNN`` directory, a ``checkpoints/`` directory or a run directory (its newest
+    complete checkpoint). Every rank of ``process_group`` calls this. ``model`` may be a whole model,
+    a parallelized one, or a pipeline rank's ``nn.ModuleList`` of stages. ``optimizer`` (and
+    ``scheduler``, ``ema``, ``rng``) restore the rest of the train state. ``verify``: check every file's
+    sha256 against the manifest first (rank 0; a mismatch is refused). Returns a :class:`LoadResult`.
+    """
+    group = _group(process_group)
+    ckpt = _resolve_everywhere(path, group, verify)
+    rank = dist.get_rank(group) if group is not None else 0
+    state = TrainState(model, optimizer, scheduler, ema, rank=rank)
+    targets = state.load_targets(optimizer=optimizer is not None, rng=rng)
+    metadata = read_metadata(ckpt)
+    shapes = checkpoint_shapes(ckpt, metadata)
+    check_model_fits(ckpt, targets["model"], shapes=shapes)
+    skipped: list[str] = []
+    for key, container, sub in list(_leaves(targets)):
+        if key in shapes:
+            continue
+        # Optional parts: this rank's RNG (another world size), EMA, scheduler, hyperparameters.
+        if key.startswith(("rng.", "ema.", "sched.", "optim.param_groups.", "extra.")):
+            del container[sub]
+            skipped.append(key)
+            continue
+        raise ValueError(f"checkpoint {ckpt.name} has no {key}; it was saved without that state "
+                         "(load with optimizer=None for weights only)")
+    for kind in [k for k, v in targets.items() if isinstance(v, dict) and not _has_leaf(v)]:
+        del targets[kind]
+    reader = SafeFileSystemReader(ckpt)
+    reader._cached = metadata  # read once above; DCP asks for it again
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(targets, storage_reader=reader, process_group=group, no_dist=group is None)
+    targets.setdefault("extra", {})
+    state.apply_loaded(targets)
+    if ema is not None and any(k.startswith("ema.") for k in skipped):
+        ema.reset()  # no EMA in the checkpoint: start it from the loaded weights
+    manifest = read_manifest(ckpt) if (ckpt / MANIFEST).exists() else {}
+    step = state.step if "extra" in targets and "step" in targets["extra"] else int(manifest.get("step", 0))
+    consumed = state.consumed_samples if "consumed_samples" in targets.get("extra", {}) else \
+        int(manifest.get("consumed_samples", 0))
+    return LoadResult(ckpt, step, consumed, sorted(targets), skipped, manifest)
+
+
+def _has_leaf(d: dict) -> bool:
+    return any(_has_leaf(v) if isinstance(v, dict) else True for v in d.values())
+
+
+def check_resume(resume: str, ckpt_root: str | Path, model_cfg) -> Path:
+    """Before any process starts: the checkpoint ``resume`` names exists, is complete, and fits ``model_cfg``.
+
+    Builds the model on the meta device (no memory) to compare every ``model.*`` key's shape.
+    """
+    from workbench.models import build_model
+
+    # Sizes only: rank 0 verifies every sha256 when it loads (and falls back past a damaged latest).
+    ckpt = resolve_checkpoint(ckpt_root if resume == "latest" else resume, verify_checksums=False)
+    meta = build_model(model_cfg, seed=None, device="meta")
+    check_model_fits(ckpt, meta.state_dict())
+    return ckpt

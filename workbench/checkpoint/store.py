@@ -1,0 +1,247 @@
+"""Where checkpoints live, and how one becomes visible: atomically, or not at all.
+
+A run's checkpoints are directories under ``<run_dir>/checkpoints/``::
+
+    checkpoints/
+      step-000003/            .metadata  __0_0.distcp  __1_0.distcp  workbench.json
+      step-000006/            ...
+      .tmp-step-000009-7f3a/  being written (never read)
+      latest                  "step-000006"
+
+Publishing a checkpoint is a sequence of steps whose every prefix leaves a valid store::
+
+    1. every rank writes its shards into .tmp-step-N-<nonce>/ and fsyncs them     (invisible)
+    2. rank 0 writes workbench.json (sizes + sha256 of every file) LAST, fsyncs it and the dir
+    3. rename .tmp-step-N-<nonce>/ -> step-N/, fsync the parent                    (visible, complete)
+    4. write latest.tmp-<nonce>, fsync, rename -> latest, fsync the parent         (pointer moves)
+
+A crash between any two steps leaves either the old ``latest`` or the new one, each pointing at a
+complete directory. Readers trust a directory only if its ``workbench.json`` parses and every file it
+lists has the listed size and sha256 (:func:`is_complete`); stale ``.tmp-*`` are removed by the next save.
+
+Rotation keeps the newest ``keep`` checkpoints, every ``keep_every``-th step forever, and whatever
+``latest`` points at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MANIFEST", "LATEST", "CheckpointStore", "step_name", "parse_step", "is_complete",
+           "read_manifest", "file_digest", "fsync_dir", "resolve_checkpoint"]
+
+MANIFEST = "workbench.json"
+LATEST = "latest"
+FORMAT = "workbench-checkpoint"
+VERSION = 1
+_STEP_RE = re.compile(r"^step-(\d{6,})$")
+_CHUNK = 8 << 20
+
+
+def step_name(step: int) -> str:
+    """``step-000123``: six digits, zero-padded (more if the step needs them)."""
+    return f"step-{step:06d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a directory's entries (creates, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: str | Path, fsync: bool = False) -> tuple[int, str]:
+    """(bytes, sha256 hex) of a file, read in 8 MiB chunks; optionally fsync it while it is open."""
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return n, h.hexdigest()
+
+
+def write_durable(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file, fsync, rename: readers see old or new, never half."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The parsed ``workbench.json`` of a checkpoint directory; ValueError naming what is wrong."""
+    p = Path(ckpt_dir) / MANIFEST
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{ckpt_dir}: no {MANIFEST}; the checkpoint is incomplete (its save was interrupted)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: not valid JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{p}: not a workbench checkpoint manifest (format={doc.get('format') if isinstance(doc, dict) else None!r})")
+    return doc
+
+
+def is_complete(ckpt_dir: str | Path, verify_checksums: bool = True) -> tuple[bool, str]:
+    """(ok, reason): the manifest parses and every file it lists exists with its size (and sha256)."""
+    try:
+        doc = read_manifest(ckpt_dir)
+    except ValueError as e:
+        return False, str(e)
+    files = doc.get("files") or {}
+    if ".metadata" not in files:
+        return False, f"{ckpt_dir}: manifest lists no .metadata"
+    for name, info in files.items():
+        p = Path(ckpt_dir) / name
+        if not p.is_file():
+            return False, f"{p}: missing"
+        if p.stat().st_size != info["bytes"]:
+            return False, f"{p}: {p.stat().st_size} bytes, manifest says {info['bytes']}"
+        if verify_checksums and file_digest(p)[1] != info["sha256"]:
+            return False, f"{p}: sha256 differs from the manifest; the file is damaged"
+    return True, "ok"
+
+
+@dataclass
+class CheckpointStore:
+    """The ``checkpoints/`` directory of one run: naming, publishing, ``latest``, rotation."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+
+    # -- names ---------------------------------------------------------------------------------
+    def path(self, step: int) -> Path:
+        return self.root / step_name(step)
+
+    def tmp_path(self, step: int, nonce: str) -> Path:
+        return self.root / f".tmp-{step_name(step)}-{nonce}"
+
+    def steps(self) -> list[int]:
+        """Steps of the published directories (complete or not), ascending."""
+        if not self.root.is_dir():
+            return []
+        out = [parse_step(p.name) for p in self.root.iterdir() if p.is_dir()]
+        return sorted(s for s in out if s is not None)
+
+    def latest_pointer(self) -> str | None:
+        try:
+            return (self.root / LATEST).read_text().strip() or None
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+
+    def latest(self, verify_checksums: bool = True) -> Path | None:
+        """The newest complete checkpoint: ``latest`` if it is complete, else the newest complete step dir."""
+        name = self.latest_pointer()
+        if name and parse_step(name) is not None and is_complete(self.root / name, verify_checksums)[0]:
+            return self.root / name
+        for step in reversed(self.steps()):
+            if is_complete(self.path(step), verify_checksums)[0]:
+                return self.path(step)
+        return None
+
+    # -- writing (rank 0) ----------------------------------------------------------------------
+    def clean_stale(self, keep_tmp: str | None = None) -> list[str]:
+        """Remove ``.tmp-*`` directories and ``latest.tmp-*`` files left by interrupted saves."""
+        removed = []
+        if not self.root.is_dir():
+            return removed
+        for p in self.root.iterdir():
+            if p.name == keep_tmp:
+                continue
+            if p.name.startswith(".tmp-") or p.name.startswith(".trash-") or p.name.startswith(f"{LATEST}.tmp-"):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                removed.append(p.name)
+        return removed
+
+    def publish(self, tmp: Path, step: int, manifest: dict[str, Any]) -> Path:
+        """Steps 2-4 of the module docstring: manifest last, rename, then move ``latest``."""
+        data = json.dumps(manifest, indent=2).encode()
+        with open(tmp / MANIFEST, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        final = self.path(step)
+        if final.exists():  # re-saving a step (a resumed run passing it again): swap, then drop the old
+            trash = self.root / f".trash-{final.name}-{os.getpid()}"
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(self.root)
+        write_durable(self.root / LATEST, (final.name + "\n").encode())
+        return final
+
+    def rotate(self, keep: int | None, keep_every: int = 0) -> list[int]:
+        """Delete published checkpoints beyond the newest ``keep`` (except every ``keep_every``-th and latest)."""
+        if not keep:
+            return []
+        steps = self.steps()
+        pinned = set(steps[-keep:])
+        if keep_every:
+            pinned |= {s for s in steps if s % keep_every == 0}
+        latest = self.latest_pointer()
+        if latest and parse_step(latest) is not None:
+            pinned.add(parse_step(latest))
+        removed = []
+        for s in steps:
+            if s not in pinned:
+                # Rename first so a half-deleted directory is never mistaken for a checkpoint.
+                trash = self.root / f".trash-{step_name(s)}-{os.getpid()}"
+                os.replace(self.path(s), trash)
+                shutil.rmtree(trash, ignore_errors=True)
+                removed.append(s)
+        return removed
+
+
+def resolve_checkpoint(spec: str | Path, default_root: str | Path | None = None,
+                       verify_checksums: bool = True) -> Path:
+    """A checkpoint directory from ``"latest"``, a step dir, a ``checkpoints/`` dir, or a run dir.
+
+    Raises one-line ValueErrors: nothing there, or the named checkpoint is incomplete.
+    """
+    spec = str(spec)
+    if spec == "latest":
+        if default_root is None:
+            raise ValueError("resume='latest' needs a checkpoint directory; pass --ckpt-dir or a path")
+        root = Path(default_root)
+    else:
+        root = Path(spec)
+    if (root / MANIFEST).exists() or (root / ".metadata").exists():  # a checkpoint directory itself
+        ok, why = is_complete(root, verify_checksums)
+        if not ok:
+            raise ValueError(f"cannot resume from {root}: {why}; pick another step directory")
+        return root
+    for cand in (root, root / "checkpoints"):
+        store = CheckpointStore(cand)
+        if store.latest_pointer() or store.steps():
+            found = store.latest(verify_checksums)
+            if found is not None:
+                return found
+            raise ValueError(f"no complete checkpoint in {cand}; every step directory there is incomplete")
+    raise ValueError(f"no checkpoint found at {root}; pass a run directory, its checkpoints/ directory, "
+                     "or a step-NNNNNN directory")

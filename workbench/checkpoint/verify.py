@@ -1,0 +1,238 @@
+"""``verify(path)``: is this checkpoint whole? Checksums, sizes, and chunks that tile every tensor.
+
+What is checked, cheapest first (no tensor is loaded unless ``deep=True``):
+
+1. metadata and headers parse (DCP ``.metadata`` with the restricted unpickler; safetensors headers
+   against their file sizes; index files against their shards);
+2. ``workbench.json``: every listed file exists with the recorded size and sha256, and no data file
+   is present that the save did not list;
+3. DCP storage: every chunk's ``[offset, offset + length)`` lies inside its ``.distcp`` file;
+4. completeness: for each tensor of global shape ``S`` the chunks are boxes ``[o, o + l)`` that lie in
+   ``S`` and tile it exactly::
+
+        sum_c prod(l_c) == prod(S)   and   no two boxes intersect   =>   no gaps, no overlaps
+
+5. ``deep=True``: every tensor is read (one at a time) and non-finite values are reported as warnings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from workbench.checkpoint.inspect import _DISTCP, inspect, resolve_checkpoint
+from workbench.checkpoint.manifest import CheckpointManifest
+from workbench.checkpoint.safeload import CheckpointFormatError
+
+__all__ = ["verify", "VerifyReport", "Problem"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.problem}; {self.fix}"
+
+
+@dataclass
+class VerifyReport:
+    """``ok`` is True when no problem was found. ``problems`` name the file, the problem and the fix."""
+
+    path: str
+    format: str | None
+    problems: list[Problem] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    checked: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "format": self.format, "ok": self.ok,
+                "problems": [vars(p) | {"message": str(p)} for p in self.problems],
+                "warnings": self.warnings, "checked": self.checked}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def _repr_html_(self) -> str:
+        colour, verdict = ("#1a7f37", "OK") if self.ok else ("#cf222e", f"{len(self.problems)} problem(s)")
+        checked = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.checked.items())
+        items = "".join(f"<li><code>{html.escape(p.file)}</code>: {html.escape(p.problem)}; "
+                        f"<i>{html.escape(p.fix)}</i></li>" for p in self.problems)
+        warns = "".join(f"<li>{html.escape(w)}</li>" for w in self.warnings)
+        return (f"<div><b style='color:{colour}'>verify: {verdict}</b> <code>{html.escape(self.path)}</code> "
+                f"({self.format})<br><small>checked: {checked}</small>"
+                + (f"<ul>{items}</ul>" if items else "") + (f"<b>warnings</b><ul>{warns}</ul>" if warns else "")
+                + "</div>")
+
+    def __repr__(self) -> str:
+        lines = [f"VerifyReport({self.path!r}, ok={self.ok}, checked={self.checked})"]
+        lines += [f"  problem: {p}" for p in self.problems] + [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def _sha256(path: Path, bar) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            bar.update(len(chunk))
+    return h.hexdigest()
+
+
+def _check_workbench_files(root: Path, info: dict, report: VerifyReport, progress: bool) -> None:
+    listed = info.get("files") or {}
+    if not isinstance(listed, dict) or not listed:
+        report.problems.append(Problem(str(root / "workbench.json"), "lists no files with sizes and checksums",
+                                       "re-save the checkpoint with workbench (checksums are written last)"))
+        return
+    total = sum(int(v.get("bytes", 0)) for v in listed.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="sha256", disable=not progress, leave=False) as bar:
+        for rel, want in sorted(listed.items()):
+            f = root / rel
+            if not f.exists():
+                report.problems.append(Problem(str(f), "listed in workbench.json but missing",
+                                               "restore the file or use another checkpoint step"))
+                continue
+            size = f.stat().st_size
+            if size != want.get("bytes"):
+                report.problems.append(Problem(str(f), f"has {size} bytes, workbench.json recorded {want.get('bytes')}",
+                                               "the file is truncated or was rewritten; restore it or use another step"))
+                bar.update(size)
+                continue
+            if want.get("sha256") and _sha256(f, bar) != want["sha256"]:
+                report.problems.append(Problem(str(f), "sha256 differs from workbench.json (corrupted bytes)",
+                                               "restore the file from a copy or use another checkpoint step"))
+    report.checked["files_hashed"] = len(listed)
+    report.checked["bytes_hashed"] = total
+    for f in root.iterdir():
+        if (_DISTCP.match(f.name) or f.name == ".metadata") and f.name not in listed:
+            report.problems.append(Problem(str(f), "is not listed in workbench.json (not part of this save)",
+                                           "remove it; it is left over from another save"))
+
+
+def _boxes_intersect(a_off, a_len, b_off, b_len) -> bool:
+    return all(ao < bo + bl and bo < ao + al for ao, al, bo, bl in zip(a_off, a_len, b_off, b_len))
+
+
+def _check_dcp_chunks(m: CheckpointManifest, report: VerifyReport, skip_files: set[str] = frozenset()) -> None:
+    sizes: dict[str, int | None] = {}
+    for rel in m.files:
+        f = m.path / rel
+        sizes[rel] = f.stat().st_size if f.exists() else None
+        if sizes[rel] is None:
+            report.problems.append(Problem(str(f), "named by .metadata but missing",
+                                           "restore the shard file or use another checkpoint step"))
+    n_chunks = 0
+    beyond: dict[str, list] = {}  # file -> [chunks past its end, first key, bytes needed]
+    for r in m.frame.itertuples(index=False):
+        for s in r.shards:
+            n_chunks += 1
+            if s["file"] is None:
+                report.problems.append(Problem(str(m.path / ".metadata"), f"{r.key} chunk at {s['offsets']} has no "
+                                               "storage entry", "the metadata is inconsistent; re-save"))
+                continue
+            size = sizes.get(s["file"])
+            end = s["byte_offset"] + s["byte_length"]
+            if size is not None and end > size:
+                b = beyond.setdefault(s["file"], [0, r.key, 0])
+                b[0] += 1
+                b[2] = max(b[2], end)
+        if r.shape is None:
+            continue
+        shape = list(r.shape)
+        covered = 0
+        for s in r.shards:
+            off, ln = s["offsets"], s["lengths"]
+            if len(off) != len(shape) or any(o < 0 or o + n > d for o, n, d in zip(off, ln, shape)):
+                report.problems.append(Problem(str(m.path / ".metadata"), f"{r.key} chunk {off}+{ln} lies outside "
+                                               f"the global shape {shape}", "the metadata is inconsistent; re-save"))
+            covered += math.prod(ln)
+        overlap = next(((a, b) for i, a in enumerate(r.shards) for b in r.shards[i + 1:]
+                        if _boxes_intersect(a["offsets"], a["lengths"], b["offsets"], b["lengths"])), None)
+        if overlap:
+            report.problems.append(Problem(str(m.path / ".metadata"), f"{r.key} chunks at {overlap[0]['offsets']} and "
+                                           f"{overlap[1]['offsets']} overlap", "the metadata is inconsistent; re-save"))
+        elif covered != math.prod(shape):
+            report.problems.append(Problem(str(m.path / ".metadata"), f"{r.key} chunks cover {covered} of "
+                                           f"{math.prod(shape)} elements of {shape} (gaps)",
+                                           "a rank's shards are missing; use a complete checkpoint step"))
+    for rel, (n, first, need) in sorted(beyond.items()):
+        if rel in skip_files:  # already reported (size differs from workbench.json): one line per bad file
+            continue
+        report.problems.append(Problem(str(m.path / rel), f"has {sizes[rel]} bytes but .metadata places {n} chunk(s) "
+                                       f"up to byte {need} (first: {first}); the file is truncated",
+                                       "restore the file or use another checkpoint step"))
+    report.checked["chunks"] = n_chunks
+    report.checked["tensors"] = int(m.frame["shape"].map(lambda s: s is not None).sum())
+
+
+def _check_hf_index(m: CheckpointManifest, report: VerifyReport) -> None:
+    for index in sorted(m.path.glob("*.safetensors.index.json")):
+        doc = json.loads(index.read_text())
+        total = (doc.get("metadata") or {}).get("total_size")
+        keys = set(doc["weight_map"])
+        actual = int(m.frame.loc[m.frame["key"].isin(keys), "bytes"].sum())
+        if total is not None and int(total) != actual:
+            report.problems.append(Problem(str(index), f"metadata.total_size={total} but its tensors hold {actual} bytes",
+                                           "re-export the checkpoint"))
+    report.checked["tensors"] = len(m.frame)
+    report.checked["files"] = len(m.files)
+
+
+def verify(path: "str | os.PathLike | CheckpointManifest", *, deep: bool = False, progress: bool = True) -> VerifyReport:
+    """Check the checkpoint at ``path`` (see the module docstring). Never raises for a bad checkpoint."""
+    if isinstance(path, CheckpointManifest):
+        path = path.path
+    report = VerifyReport(path=str(path), format=None)
+    try:
+        fmt, root = resolve_checkpoint(path)
+        report.path, report.format = str(root), fmt
+        m = inspect(root)
+    except CheckpointFormatError as e:
+        report.problems.append(Problem(e.file, e.problem, e.fix))
+        return report
+    if fmt == "workbench":
+        _check_workbench_files(root, m.info, report, progress)
+    if fmt in ("workbench", "dcp"):
+        reported = {Path(p.file).name for p in report.problems}
+        _check_dcp_chunks(m, report, reported)
+    elif fmt == "hf":
+        _check_hf_index(m, report)
+    else:
+        report.checked["tensors"] = len(m.frame)
+        report.checked["files"] = len(m.files)
+    if deep and report.ok:
+        _deep_check(m, report, progress)
+    return report
+
+
+def _deep_check(m: CheckpointManifest, report: VerifyReport, progress: bool) -> None:
+    import torch
+
+    from workbench.checkpoint.formats import iter_tensors
+
+    n = 0
+    try:
+        for key, t in iter_tensors(m, progress=progress):
+            n += 1
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                report.warnings.append(f"{key}: {bad} non-finite value(s) of {t.numel()}")
+    except CheckpointFormatError as e:
+        report.problems.append(Problem(e.file, e.problem, e.fix))
+    report.checked["tensors_loaded"] = n
+    report.checked["bytes_loaded"] = int(m.tensors()["bytes"].sum()) if report.ok else 0

@@ -1,0 +1,478 @@
+"""Simulate a layout on one process: the real parallelization code, a fake process group, meta tensors.
+
+How a 1024-rank plan is made on a laptop::
+
+    dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=1024)   # no peers, no traffic
+    mesh  = build_mesh(parallel)                          # the same DeviceMesh a real run builds
+    model = build_model(cfg, device="meta")               # shapes and dtypes, no storage
+    model = parallelize(model, parallel, mesh, train)     # TP, EP, FSDP2 / DDP: the real code path
+    opt   = build_optimizer(model, parallel, mesh)        # AdamW or ZeRO-1's partitioned optimizer
+
+Rank ``r`` sees its own shard, but DTensor placements describe every rank's: from a parameter's
+placements (e.g. ``(_StridedShard(0, sf=8), Shard(0))`` on ``(dp_shard, tp)``) we derive the ordered
+``splits`` of :mod:`workbench.plan.types`, which give any rank's local shape and offsets with numpy.
+Under pipeline parallelism the stage a rank builds depends on its pp coordinate, so stage ``p`` is
+simulated as rank ``p * world / pp`` (``workbench.parallel.pipeline``'s split, stage by stage).
+
+What is modelled per parameter ``W`` (shape and placements shared by all four kinds):
+
+    parameter     W in the compute dtype: train.dtype, or bfloat16 under mixed_precision="bf16"
+    master        mixed_precision="bf16" only: the float32 weights the optimizer steps (FSDP2's
+                  sharded parameters; autocast's float32 parameters)
+    gradient      float32 under bf16 mixed precision (FSDP2 reduce_dtype / autocast), else train.dtype.
+                  Placements: the parameter's under FSDP2 (it reduce-scatters into the shard) and DDP;
+                  a tensor-parallel parameter outside FSDP gets what backward gives it, found by one
+                  meta forward/backward (TP alone: the embedding's gradient is Replicate, whole)
+    optimizer     AdamW exp_avg and exp_avg_sq, in the (master) parameter dtype. ``step`` is a scalar
+                  per tensor and is not counted. Under ZeRO-1 each is held whole by its owner rank.
+
+Under bf16 the ``parameter`` rows are the bf16 copy of each rank's shard that FSDP2 (or autocast)
+casts for compute. A real run makes them one FSDP unit at a time, so the ``parameter`` column is an
+upper bound on what is live at once; the float32 ``master`` is what persists. Not modelled:
+activations, all-gathered (unsharded) parameters, DDP's gradient buckets, allocator fragmentation.
+
+A real process group already initialised in this process (a notebook running a job) cannot coexist
+with the fake one, so then the simulation runs in a fresh subprocess (``python -m
+workbench.plan.simulate``) and its plan comes back as JSON. Model factories cannot cross a process
+boundary: that case raises, asking to pass a ModelConfig or call from a process without a group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import warnings
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+from unittest import mock
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from workbench.config import ModelConfig, ParallelConfig, TrainConfig, resolve_model, validate
+from workbench.plan.types import MESH_DIMS, ShardingPlan, Split, TensorPlan
+
+__all__ = ["plan", "fake_world", "describe_placements"]
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------
+
+
+def _resolve_model(model) -> tuple[str, ModelConfig | None, Callable[[], nn.Module]]:
+    """(name, config or None, zero-argument builder returning a meta-device module)."""
+    from workbench.models import build_model
+
+    if callable(model) and not isinstance(model, (str, ModelConfig)):
+        name = getattr(model, "__name__", type(model).__name__)
+        return name, None, model
+    cfg = resolve_model(model)
+    return cfg.name, cfg, lambda: build_model(cfg, seed=None, device="meta")
+
+
+def _default_train(parallel: ParallelConfig) -> TrainConfig:
+    """TrainConfig() with global_batch raised to the smallest multiple of dp (x microbatches) >= 8."""
+    unit = parallel.dp * (parallel.pp_microbatches if parallel.pp > 1 else 1)
+    base = TrainConfig()
+    return dataclasses.replace(base, global_batch=unit * max(1, -(-base.global_batch // unit)))
+
+
+def _resolve_train(train_shape, parallel: ParallelConfig) -> TrainConfig:
+    if train_shape is None:
+        return _default_train(parallel)
+    if isinstance(train_shape, TrainConfig):
+        return train_shape
+    if isinstance(train_shape, dict):
+        return TrainConfig.from_dict(train_shape)
+    raise TypeError(f"train_shape={train_shape!r}: pass a TrainConfig or a dict like "
+                    "{'global_batch': 1024, 'seq_len': 4096}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The fake world
+# --------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks seen from ``rank``; destroyed on exit.
+
+    Collectives on it return at once without moving data, which is all meta tensors need.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]:"; a notebook keeps the plain one
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions. They hold DeviceMesh objects, and a mesh compares
+    equal to one of a later fake world, whose process groups have other names: a cache hit would then
+    name a destroyed group."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for owner in (prop, _redistribute):
+        for attr in dir(owner):
+            fn = getattr(owner, attr, None)
+            if callable(getattr(fn, "cache_clear", None)):
+                fn.cache_clear()
+    clear_cpp = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if clear_cpp is not None:
+        clear_cpp()
+
+
+@contextmanager
+def _ddp_on_meta() -> Iterator[None]:
+    """DDP's constructor checks parameter shapes across ranks and broadcasts rank 0's weights; both
+    read tensor values, which meta tensors do not have. Nothing else in DDP is skipped."""
+    import torch.nn.parallel.distributed as ddp
+
+    with mock.patch.object(ddp, "_verify_param_shape_across_processes", lambda *a, **k: None), \
+            mock.patch.object(ddp, "_sync_module_states", lambda *a, **k: None), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        yield
+
+
+# --------------------------------------------------------------------------------------------------
+# Placements -> splits
+# --------------------------------------------------------------------------------------------------
+
+
+def _mesh_dim(name: str, parallel: ParallelConfig) -> tuple[int, int]:
+    """(index in MESH_DIMS, stride) of a DTensor mesh dimension. Expert parallelism unflattens
+    dp_shard into (dp_shard_mod_ep, ep): ep index = s % ep, dp_shard_mod_ep index = s // ep."""
+    if name in MESH_DIMS:
+        return MESH_DIMS.index(name), 1
+    if name == "ep":
+        return MESH_DIMS.index("dp_shard"), 1
+    if name == "dp_shard_mod_ep":
+        return MESH_DIMS.index("dp_shard"), parallel.ep
+    raise NotImplementedError(f"mesh dimension {name!r} is unknown to the planner; "
+                              f"expected one of {MESH_DIMS + ('ep', 'dp_shard_mod_ep')}")
+
+
+def describe_placements(param: torch.Tensor, parallel: ParallelConfig) -> tuple[tuple[str, ...], tuple[Split, ...]]:
+    """Placement strings per plan mesh dimension, and the ordered splits that reproduce the shards.
+
+    DTensor reads placements left to right, except FSDP2's ``_StridedShard(d, split_factor=k)``: it
+    shards the piece left after the ``k``-way split by the mesh dimensions to its right (TP, or EP for
+    experts). So plain ``Shard`` splits go first, in mesh order, and strided ones after them.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(param, DTensor):
+        return ("R",) * len(MESH_DIMS), ()
+    mesh = param.device_mesh
+    subs: list[list[str]] = [[] for _ in MESH_DIMS]
+    splits: list[Split] = []
+    strided: list[tuple[Split, int]] = []
+    for name, size, pl in zip(mesh.mesh_dim_names, mesh.shape, param.placements):
+        i, stride = _mesh_dim(name, parallel)
+        if size == 1:
+            continue
+        if isinstance(pl, _StridedShard):
+            subs[i].append(f"_S({pl.dim})")
+            strided.append(((pl.dim, i, size, stride), pl.split_factor))
+        elif pl.is_shard():
+            subs[i].append(f"S({pl.dim})")
+            splits.append((pl.dim, i, size, stride))
+        elif pl.is_partial():
+            subs[i].append(f"P({getattr(pl, 'reduce_op', 'sum')})")
+        else:
+            subs[i].append("R")
+    for split, factor in strided:
+        inner = int(np.prod([n for d, _, n, _ in splits if d == split[0]] or [1]))
+        if inner != factor:
+            raise NotImplementedError(f"_StridedShard(dim={split[0]}, split_factor={factor}) after a {inner}-way "
+                                      "split is not a layout the planner knows")
+        splits.append(split)
+    return tuple(_combine(s) for s in subs), tuple(splits)
+
+
+def _combine(subs: list[str]) -> str:
+    """One string for a plan mesh dimension made of sub-dimensions (dp_shard = dp_shard_mod_ep x ep)."""
+    real = [s for s in subs if s != "R"]
+    if not real:
+        return "R"
+    if len(set(s.lstrip("_") for s in real)) == 1:
+        return real[0] if len(real) == 1 else ("_" + real[0].lstrip("_"))
+    return "+".join(real)
+
+
+# --------------------------------------------------------------------------------------------------
+# One stage (the whole model when pp == 1)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StageSim:
+    """What the simulation of one pp coordinate found: its tensors' placements and its comm units."""
+
+    stage: int | None
+    rank: int
+    layers: list[list[int]]                      # layer ids per virtual stage on this pp rank
+    # (fqn, shape, dtype, placements, splits, (gradient placements, gradient splits))
+    params: list[tuple[str, tuple, str, tuple, tuple, tuple]]
+    fsdp_units: list[dict[str, Any]]
+    ddp_dim: str | None
+    zero1_owner: dict[str, int]                  # fqn -> dp_shard coordinate owning its optimizer state
+    moe_layers: int
+    has_first: bool
+    has_last: bool
+    cfg: ModelConfig | None = None               # the built model's config, if it carries one
+
+
+def _strip(name: str) -> str:
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+def _fsdp_units(modules: list[nn.Module]) -> list[dict[str, Any]]:
+    """Every FSDP2 parameter group: its parameters, shard/replicate groups, and resharding."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+    units = []
+    for root in modules:
+        names = {id(p): _strip(n) for n, p in root.named_parameters()}
+        for mod_name, mod in root.named_modules():
+            if not isinstance(mod, FSDPModule):
+                continue
+            for group in mod._get_fsdp_state()._fsdp_param_groups:
+                info = group.mesh_info
+                dim_names = info.mesh.mesh_dim_names
+                units.append({
+                    "name": _strip(mod_name) or "<root>",
+                    "params": [names[id(fp.sharded_param)] for fp in group.fsdp_params],
+                    "shard_dim": dim_names[info.shard_mesh_dim], "shard_size": info.shard_mesh_size,
+                    "replicate_dim": dim_names[info.replicate_mesh_dim] if isinstance(info, HSDPMeshInfo) else None,
+                    "replicate_size": info.replicate_mesh_size if isinstance(info, HSDPMeshInfo) else 1,
+                    "reshard_after_forward": group.post_forward_mesh_info is not None,
+                })
+    return units
+
+
+def _probe_grads(modules: list[nn.Module], units: list[dict[str, Any]],
+                 parallel: ParallelConfig) -> dict[str, tuple[tuple[str, ...], tuple[Split, ...]]]:
+    """Gradient placements of tensor-parallel parameters that no FSDP unit manages.
+
+    FSDP2 gives every gradient its sharded parameter's placements, and DDP's are plain tensors, but a
+    DTensor parameter outside FSDP gets whatever its backward's sharding rule produces: under TP alone
+    the row-parallel embedding's gradient comes back ``Replicate`` (whole on every tp rank), not
+    ``Shard(0)``. So those layouts run one forward and backward on meta tensors (1 sequence of
+    ``max(2, tp)`` tokens; FSDP2 refuses meta training, but it is not involved here) and read the
+    gradients' placements.
+    """
+    from torch.distributed.tensor import DTensor
+
+    managed = {p for u in units for p in u["params"]}
+    loose = [(m, _strip(n), p) for m in modules for n, p in m.named_parameters()
+             if isinstance(p, DTensor) and _strip(n) not in managed]
+    if not loose:
+        return {}
+    seq = max(2, parallel.tp)
+    for m in modules:
+        if getattr(m, "tok_embeddings", None) is not None:
+            x = torch.zeros((1, seq), dtype=torch.long, device="meta")
+        else:  # a later pipeline stage: hidden states (a sequence slice under SP)
+            dim = m.cfg.dim if hasattr(m, "cfg") else next(p for p in m.parameters() if p.dim() == 2).shape[1]
+            local = seq // parallel.tp if parallel.sequence_parallel else seq
+            dtype = next(m.parameters()).dtype
+            x = torch.zeros((1, local, dim), dtype=dtype, device="meta", requires_grad=True)
+        m(x).float().sum().backward()
+    out = {}
+    for _, name, p in loose:
+        if p.grad is not None:
+            out[name] = describe_placements(p.grad, parallel)
+            p.grad = None
+    return out
+
+
+def _simulate_stage(build: Callable[[], nn.Module], n_layers: int | None, parallel: ParallelConfig,
+                    train: TrainConfig, pp_index: int | None) -> StageSim:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from workbench.mesh import build_mesh
+    from workbench.parallel.apply import build_optimizer, parallelize
+    from workbench.parallel.pipeline import build_stage_module, split_layers, stage_ids
+
+    world = parallel.world_size
+    rank = 0 if pp_index is None else pp_index * (world // parallel.pp)
+    with fake_world(world, rank):
+        mesh = build_mesh(parallel, "cpu") if world > 1 else None
+        with torch.device("meta"):
+            model = build()
+        if train.dtype == "bfloat16":
+            model = model.to(torch.bfloat16)
+        n_layers = n_layers if n_layers is not None else len(model.layers)
+        with _ddp_on_meta():
+            if pp_index is None:
+                modules = [parallelize(model, parallel, mesh, train)]
+                layers = [list(range(n_layers))]
+                first = last = True
+            else:
+                v = parallel.pp_stages_per_rank
+                n_stages = parallel.pp * v
+                split = split_layers(n_layers, n_stages)
+                mine = stage_ids(pp_index, parallel.pp, v)
+                modules, layers = [], []
+                for j, s in enumerate(mine):
+                    stage = build_stage_module(model, split[s], first=s == 0, last=s == n_stages - 1,
+                                               in_place=j == len(mine) - 1)
+                    modules.append(parallelize(stage, parallel, mesh, train))
+                    layers.append(split[s])
+                first, last = 0 in mine, n_stages - 1 in mine
+        units = _fsdp_units(modules)
+        grads = _probe_grads(modules, units, parallel)
+        holder = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+        opt = build_optimizer(holder, parallel, mesh, lr=train.lr, weight_decay=train.weight_decay,
+                              betas=(0.9, 0.95), foreach=False)
+        names = {id(p): _strip(n) for m in modules for n, p in m.named_parameters()}
+        owner: dict[str, int] = {}
+        if hasattr(opt, "_partition_parameters"):  # ZeRO-1: whole tensors assigned to dp_shard ranks
+            for r, groups in enumerate(opt._partition_parameters()):
+                for g in groups:
+                    for p in g["params"]:
+                        owner[names[id(p)]] = r
+        params = []
+        for m in modules:
+            for n, p in m.named_parameters():
+                placements, splits = describe_placements(p, parallel)
+                fqn = _strip(n)
+                params.append((fqn, tuple(p.shape), str(p.dtype).removeprefix("torch."), placements, splits,
+                               grads.get(fqn, (placements, splits))))
+        ddp_dim = None
+        if isinstance(modules[0], DistributedDataParallel):
+            ddp_dim = "dp_shard" if parallel.dp_shard > 1 else "dp_replicate"
+        from workbench.models.moe import MoEFeedForward
+
+        n_moe = sum(isinstance(x, MoEFeedForward) for m in modules for x in m.modules())
+        return StageSim(pp_index, rank, layers, params, units, ddp_dim, owner, n_moe, first, last,
+                        getattr(model, "cfg", None))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensors of the plan
+# --------------------------------------------------------------------------------------------------
+
+
+def _tensors(sims: list[StageSim], train: TrainConfig) -> list[TensorPlan]:
+    mixed = train.mixed_precision == "bf16"
+    dp_shard = MESH_DIMS.index("dp_shard")
+    out: list[TensorPlan] = []
+    for sim in sims:
+        stage_holder = () if sim.stage is None else ((0, sim.stage),)
+        for name, shape, dtype, placements, splits, (g_placements, g_splits) in sim.params:
+            common = dict(global_shape=shape, placements=placements, stage=sim.stage, splits=splits,
+                          holders=stage_holder, param=name)
+            grad = dict(common, placements=g_placements, splits=g_splits)
+            compute = "bfloat16" if mixed else dtype
+            state = "float32" if mixed else dtype
+            out.append(TensorPlan(name=name, kind="parameter", dtype=compute, **common))
+            if mixed:
+                out.append(TensorPlan(name=name + ".master", kind="master", dtype="float32", **common))
+            out.append(TensorPlan(name=name, kind="gradient", dtype=state, **grad))
+            opt = dict(common)
+            if name in sim.zero1_owner:
+                k = sim.zero1_owner[name]
+                pl = list(placements)
+                pl[dp_shard] = f"O({k})"
+                opt.update(placements=tuple(pl), holders=stage_holder + ((dp_shard, k),))
+            for suffix in (".exp_avg", ".exp_avg_sq"):
+                out.append(TensorPlan(name=name + suffix, kind="optimizer", dtype=state, **opt))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def plan(model, parallel_config: ParallelConfig, train_shape: TrainConfig | dict | None = None) -> ShardingPlan:
+    """Simulate ``model`` laid out by ``parallel_config`` on ``parallel_config.world_size`` ranks.
+
+    ``model``: a preset name ("llama-70b"), a path to a Hugging Face config.json, a ModelConfig, or a
+    zero-argument factory returning an ``nn.Module`` (built under ``torch.device("meta")``; it must
+    look like ``workbench.models.Transformer``: a ``layers`` ModuleDict of blocks).
+    ``train_shape``: a TrainConfig, or a dict of its fields (``global_batch``, ``seq_len``,
+    ``micro_batch``, ``mixed_precision``, ...). Default: ``TrainConfig()`` with ``global_batch``
+    rounded up to a multiple of the data-parallel degree (and of the pipeline microbatches).
+
+    Raises ``ValueError`` (one line: the problem and the fix) for layouts a real run would reject.
+    """
+    from workbench.plan.comm import comm_rows
+
+    if not isinstance(parallel_config, ParallelConfig):
+        raise TypeError(f"parallel_config must be a ParallelConfig, not {type(parallel_config).__name__}")
+    parallel = parallel_config.resolved() if parallel_config.dp_shard == -1 else parallel_config
+    name, cfg, build = _resolve_model(model)
+    train = _resolve_train(train_shape, parallel)
+    if cfg is not None:
+        validate(cfg, parallel, train)
+    if dist.is_initialized():
+        if cfg is None:
+            raise RuntimeError("a process group is already initialised here, and a model factory cannot be "
+                               "simulated in a subprocess; pass a ModelConfig or preset name instead")
+        return _plan_in_subprocess(cfg, parallel, train)
+
+    from tqdm.auto import tqdm
+
+    n_layers = cfg.n_layers if cfg is not None else None
+    if parallel.pp == 1:
+        sims = [_simulate_stage(build, n_layers, parallel, train, None)]
+    else:
+        sims = [_simulate_stage(build, n_layers, parallel, train, p)
+                for p in tqdm(range(parallel.pp), desc=f"simulating {parallel.pp} pipeline stages",
+                              leave=False, disable=None)]
+    tensors = _tensors(sims, train)
+    result = ShardingPlan(name, parallel, train, tensors, model=cfg, notes=list(NOTES))
+    result._comm_rows = comm_rows(result, sims, cfg)
+    return result
+
+
+NOTES = (
+    "rank_bytes counts parameters, gradients, AdamW exp_avg/exp_avg_sq and fp32 master weights; not "
+    "activations, all-gathered parameters, AdamW step scalars, DDP gradient buckets or allocator overhead",
+    "under mixed_precision='bf16', 'parameter' is the bf16 compute copy of each rank's shard (made one FSDP "
+    "unit at a time in a real run: an upper bound) and 'master' the fp32 weights the optimizer steps",
+    "comm: bytes each rank sends per step under ring algorithms; TP/SP/EP/PP activation traffic assumes "
+    "balanced expert routing; grad-norm and loss-logging scalars are not counted",
+)
+
+
+def _plan_in_subprocess(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> ShardingPlan:
+    request = json.dumps({"model": cfg.to_dict(), "parallel": parallel.to_dict(), "train": train.to_dict()})
+    proc = subprocess.run([sys.executable, "-m", "workbench.plan.simulate"], input=request, text=True,
+                          capture_output=True, timeout=600)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the plan subprocess failed: {tail}")
+    return ShardingPlan.from_json(proc.stdout)
+
+
+def _main() -> None:
+    """``python -m workbench.plan.simulate``: read {model, parallel, train} JSON on stdin, print the plan."""
+    req = json.loads(sys.stdin.read())
+    result = plan(ModelConfig.from_dict(req["model"]), ParallelConfig.from_dict(req["parallel"]),
+                  TrainConfig.from_dict(req["train"]))
+    sys.stdout.write(result.to_json())
+
+
+if __name__ == "__main__":
+    _main()

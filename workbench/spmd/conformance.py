@@ -1,0 +1,509 @@
+"""The conformance harness: every registry case, under every placement combination, equals the dense run.
+
+For each ``Case`` in ``workbench.spmd.registry.CASES`` and each combination of input placements, on a
+1-D mesh of 2 ranks and a 2-D mesh of 2x2 ranks::
+
+    dense:   out = fn(*inputs);            loss = sum(out * cot);   grads = d loss / d inputs
+    DTensor: out = fn(*distribute(inputs)); same cot, same loss;    grads (DTensors)
+    check:   out.full_tensor() == dense out, grad.full_tensor() == dense grad   (case atol/rtol)
+
+and records the bytes the DTensor run communicated, forward and backward (per rank sent, see
+``workbench.spmd.comm``). One run spawns 4 gloo processes (hard timeout) that walk the same plan: the
+1-D mesh is the inner dim of the 2x2 mesh, so ranks {0,1} and {2,3} each run it; rank 0 reports.
+
+Placement combinations: each shardable input takes Replicate or Shard(d) for each of its dims (a case
+may list its own candidates, e.g. Partial for gradients); on the 2-D mesh each input takes a PAIR (one
+per mesh dim, ``[S(0),S(0)]`` included: the multi-mesh-dim fallback). The product over inputs explodes
+(two 2-D inputs on 2x2: 81 combinations), so above ``cap`` combinations per case and mesh the plan keeps a
+deterministic sample that still gives every input every one of its placements at least once (the
+all-Replicate combination always included). ``cap=None`` runs the full product.
+
+    report = check()                 # everything; report.ok, report.to_frame(), rich in a notebook
+    report = check(family="masked")
+    workbench spmd check [--family F] [--json]
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_CAP = 8
+DEFAULT_TIMEOUT_S = 240.0
+MESHES = {"1d": (2,), "2d": (2, 2)}
+WORLD = 4
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan: which placements each case runs under
+# --------------------------------------------------------------------------------------------------
+
+
+def case_inputs(case, seed: int = 0) -> list:
+    gen = torch.Generator().manual_seed(seed + zlib.crc32(case.name.encode()) % 10_000)
+    return case.make_inputs(gen)
+
+
+def candidates(case, inputs: list) -> list[list]:
+    """Per shardable input, its candidate placements on ONE mesh dim."""
+    from workbench.spmd.placements import default_candidates
+
+    out = []
+    for i in case.shardable:
+        fn = case.placements or default_candidates
+        out.append(list(fn(inputs[i])))
+    return out
+
+
+def combinations(case, inputs: list, mesh_ndim: int, cap: int | None = DEFAULT_CAP) -> list[tuple[tuple, ...]]:
+    """Placement combinations: a tuple (one entry per shardable input) of per-mesh-dim placement tuples."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    # DTensor allows one Partial reduce op per tensor: P(sum) on one mesh dim and P(max) on another is
+    # not a placement, so those pairs are left out.
+    per_input = [[p for p in itertools.product(c, repeat=mesh_ndim)
+                  if len({x.reduce_op for x in p if isinstance(x, Partial)}) <= 1]
+                 for c in candidates(case, inputs)]
+    if not per_input:
+        return [()]
+    total = 1
+    for opts in per_input:
+        total *= len(opts)
+    rng = random.Random(zlib.crc32(f"{case.name}/{mesh_ndim}".encode()))
+    if cap is None or total <= cap:
+        return list(itertools.product(*per_input))
+    if total <= 20_000:
+        pool = list(itertools.product(*per_input))
+        rng.shuffle(pool)
+    else:
+        pool = [tuple(rng.choice(opts) for opts in per_input) for _ in range(4000)]
+    # Must-haves: every (input, mesh dim, placement) at least once, and on 2-D every input sharded on one
+    # tensor dim over both mesh dims ([S(d), S(d)]: the multi-mesh-dim fallback). Greedy set cover: take
+    # the combination that covers the most missing items (first in the seeded order on ties).
+    all_r = tuple((Replicate(),) * mesh_ndim for _ in per_input)
+    chosen: list = [all_r]
+    need: dict = {}  # ordered set: every rank must walk the same plan
+    for i, opts in enumerate(per_input):
+        for m in range(mesh_ndim):
+            for p in dict.fromkeys(o[m] for o in opts):
+                if p != Replicate():
+                    need[("one", i, m, p)] = None
+        if mesh_ndim > 1:
+            for o in opts:
+                if isinstance(o[0], Shard) and all(q == o[0] for q in o):
+                    need[("multi", i, o)] = None
+
+    def covers(combo) -> set:
+        got = {("one", i, m, p) for i, c in enumerate(combo) for m, p in enumerate(c)}
+        got |= {("multi", i, c) for i, c in enumerate(combo)}
+        return got & need.keys()
+
+    while need:
+        best, best_n = None, 0
+        for c in pool:
+            n = len(covers(c))
+            if n > best_n:
+                best, best_n = c, n
+        if best is None:  # the sampled pool misses it: build a combination for the first missing item
+            item = next(iter(need))
+            i = item[1]
+            pick = item[2] if item[0] == "multi" else next(o for o in per_input[i] if o[item[2]] == item[3])
+            best = tuple(pick if j == i else rng.choice(per_input[j]) for j in range(len(per_input)))
+        for k in covers(best):
+            del need[k]
+        if best not in chosen:
+            chosen.append(best)
+    for p in pool:
+        if len(chosen) >= cap:
+            break
+        if p not in chosen:
+            chosen.append(p)
+    return chosen
+
+
+def select_cases(family: str | None = None, names: list[str] | None = None) -> list:
+    from workbench.spmd.registry import CASES, FAMILIES
+
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    cases = [c for c in CASES.values() if family is None or c.family == family]
+    if names:
+        unknown = sorted(set(names) - set(CASES))
+        if unknown:
+            raise ValueError(f"unknown case(s) {unknown}; `workbench spmd rules --json` lists them")
+        cases = [c for c in cases if c.name in names]
+    return cases
+
+
+def plan(cases: list, cap: int | None = DEFAULT_CAP, meshes: tuple[str, ...] = ("1d", "2d"), seed: int = 0) -> list:
+    """[(case, mesh name, combination)], the exact order every rank walks."""
+    out = []
+    for case in cases:
+        inputs = case_inputs(case, seed)
+        for m in meshes:
+            for combo in combinations(case, inputs, len(MESHES[m]), cap):
+                out.append((case, m, combo))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# One combination (runs on every rank)
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _full(x: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _err(got: Any, want: Any, case) -> tuple[bool, float]:
+    """(ok, max abs error) of one output or gradient."""
+    if not isinstance(want, torch.Tensor):
+        return got == want, 0.0
+    if not isinstance(got, torch.Tensor):
+        return False, float("inf")
+    if got.shape != want.shape:
+        return False, float("inf")
+    if not want.is_floating_point():
+        ok = torch.equal(got, want)
+        return ok, 0.0 if ok else float((got.long() - want.long()).abs().max()) if got.numel() else 0.0
+    if got.numel() == 0:
+        return True, 0.0
+    got, want = got.detach(), want.detach()
+    diff = (got.double() - want.double()).abs()
+    both_nan = torch.isnan(got) & torch.isnan(want)
+    diff = torch.where(both_nan, torch.zeros_like(diff), diff)
+    ok = torch.allclose(got, want, atol=case.atol, rtol=case.rtol, equal_nan=True)
+    return ok, float(diff.nan_to_num(float("inf")).max())
+
+
+def dense_reference(case, seed: int = 0) -> dict[str, Any]:
+    """The single-device run of a case: inputs, outputs, cotangents, input gradients."""
+    inputs = case_inputs(case, seed)
+    rg = set(case.requires_grad)
+    dense = [x.detach().clone().requires_grad_(i in rg) if isinstance(x, torch.Tensor) else x
+             for i, x in enumerate(inputs)]
+    outs = _as_tuple(case.fn(*dense))
+    gen = torch.Generator().manual_seed(seed + 1)
+    cots = [torch.randn(o.shape, generator=gen, dtype=o.dtype) if isinstance(o, torch.Tensor)
+            and o.is_floating_point() else None for o in outs]
+    diff_pairs = [(o, c) for o, c in zip(outs, cots) if c is not None and o.requires_grad]
+    if rg and diff_pairs:
+        torch.autograd.backward([o for o, _ in diff_pairs], [c for _, c in diff_pairs])
+    return {"inputs": inputs, "outs": [o.detach() if isinstance(o, torch.Tensor) else o for o in outs],
+            "cots": cots, "grads": {i: dense[i].grad for i in rg}}
+
+
+def run_combo(case, mesh, combo: tuple, seed: int = 0, ref: dict | None = None) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from workbench.spmd.comm import CommBytesMode
+    from workbench.spmd.placements import make_dtensor
+
+    ref = ref or dense_reference(case, seed)
+    inputs, outs, cots, dense_grads = ref["inputs"], ref["outs"], ref["cots"], ref["grads"]
+    rg = set(case.requires_grad)
+
+    # distributed
+    pl = dict(zip(case.shardable, combo))
+    nd = mesh.ndim
+    dts = []
+    for i, x in enumerate(inputs):
+        if isinstance(x, torch.Tensor):
+            dts.append(make_dtensor(x, mesh, pl.get(i, (Replicate(),) * nd), requires_grad=i in rg))
+        else:
+            dts.append(x)
+    with CommBytesMode() as comm:
+        douts = _as_tuple(case.fn(*dts))
+        fwd = comm.total_bytes
+        pairs = []
+        for o, c in zip(douts, cots):
+            if c is None or not isinstance(o, DTensor) or not o.requires_grad:
+                continue
+            gp = [Replicate() if isinstance(p, Partial) else p for p in o.placements]
+            pairs.append((o, make_dtensor(c, o.device_mesh, gp)))
+        if rg and pairs:
+            torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+        total = comm.total_bytes
+        kinds = comm.bytes_by_kind()
+
+    ok, worst, what = True, 0.0, []
+    for k, (got, want) in enumerate(zip(douts, outs)):
+        o_ok, e = _err(_full(got), want, case)
+        ok &= o_ok
+        worst = max(worst, e)
+        if not o_ok:
+            what.append(f"output {k}")
+    for i, want in dense_grads.items():
+        got = dts[i].grad
+        if want is None and got is None:
+            continue
+        if want is None:
+            want = torch.zeros_like(inputs[i])
+        if got is None:
+            ok, worst = False, float("inf")
+            what.append(f"grad of input {i} missing")
+            continue
+        g_ok, e = _err(_full(got), want, case)
+        ok &= g_ok
+        worst = max(worst, e)
+        if not g_ok:
+            what.append(f"grad of input {i}")
+    out_pl = [getattr(o, "placements", None) for o in douts]
+    from workbench.spmd.placements import format_placements
+
+    return {
+        "ok": bool(ok),
+        "max_err": worst,
+        "fwd_bytes": fwd,
+        "bwd_bytes": total - fwd,
+        "comm_bytes": total,
+        "bytes_by_kind": kinds,
+        "out_placements": " | ".join(format_placements(p) if p is not None else "-" for p in out_pl),
+        "error": ("mismatch: " + ", ".join(what)) if what else None,
+    }
+
+
+def combo_str(combo: tuple) -> str:
+    from workbench.spmd.placements import format_placements
+
+    return " | ".join(format_placements(p) for p in combo)
+
+
+# --------------------------------------------------------------------------------------------------
+# The 4-process run
+# --------------------------------------------------------------------------------------------------
+
+
+def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=spec["pg_timeout_s"]))
+    import workbench.spmd as spmd  # installs our rules unless WORKBENCH_SPMD=0
+
+    torch.manual_seed(0)
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
+    meshes = {"1d": mesh2["inner"], "2d": mesh2}
+    cases = select_cases(spec["family"], spec["names"])
+    steps = plan(cases, spec["cap"], tuple(spec["meshes"]), spec["seed"])
+    sink = open(out, "w") if rank == 0 else None
+    refs: dict[str, dict] = {}
+    for case, m, combo in steps:
+        t0 = time.perf_counter()
+        try:
+            if case.name not in refs:
+                refs.clear()  # the plan is grouped by case: keep one reference alive
+                refs[case.name] = dense_reference(case, spec["seed"])
+            res = run_combo(case, meshes[m], combo, spec["seed"], refs[case.name])
+        except Exception as e:  # a rule that raises is a failed case, not a crashed run
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            res = {"ok": False, "max_err": float("inf"), "fwd_bytes": None, "bwd_bytes": None, "comm_bytes": None,
+                   "bytes_by_kind": {}, "out_placements": None, "error": f"{type(e).__name__}: {first}"}
+        if sink is not None:
+            row = {"case": case.name, "family": case.family, "ops": [str(o) for o in case.ops],
+                   "mesh": m, "placements": combo_str(combo), **res,
+                   "rules": "ours" if spmd.installed() else "torch", "time_s": round(time.perf_counter() - t0, 4)}
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+    if sink is not None:
+        sink.write(json.dumps({"done": True}) + "\n")
+        sink.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ConformanceReport:
+    """Rows of (case, mesh, placements, ok, max_err, comm_bytes, ...), one per combination run."""
+
+    rows: list[dict[str, Any]]
+    rules: str  # "ours" or "torch": which rules the ranks ran under
+    wall_s: float
+    cap: int | None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.rows) and all(r["ok"] for r in self.rows)
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if not r["ok"]]
+
+    def to_frame(self):
+        import pandas as pd
+
+        cols = ["case", "family", "mesh", "placements", "ok", "max_err", "fwd_bytes", "bwd_bytes", "comm_bytes",
+                "out_placements", "error"]
+        return pd.DataFrame(self.rows, columns=cols)
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        fam: dict[str, dict[str, int]] = {}
+        for r in self.rows:
+            f = fam.setdefault(r["family"], {"cases": 0, "combinations": 0, "passed": 0, "comm_bytes": 0})
+            f["combinations"] += 1
+            f["passed"] += bool(r["ok"])
+            f["comm_bytes"] += r["comm_bytes"] or 0
+        for f, d in fam.items():
+            d["cases"] = len({r["case"] for r in self.rows if r["family"] == f})
+        return fam
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"status": "ok" if self.ok else "failed", "rules": self.rules, "wall_s": self.wall_s,
+                "cap": self.cap, "combinations": len(self.rows), "passed": len(self.rows) - len(self.failures),
+                "summary": self.summary(), "failures": self.failures, "rows": self.rows, **self.meta}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), default=str, **kw)
+
+    def __repr__(self) -> str:
+        n, bad = len(self.rows), len(self.failures)
+        return f"ConformanceReport({n - bad}/{n} combinations pass, rules={self.rules}, {self.wall_s:.1f}s)"
+
+    def _repr_html_(self) -> str:
+        import html
+
+        n, bad = len(self.rows), len(self.failures)
+        head = (f"<b>SPMD conformance</b> ({self.rules} rules): {n - bad}/{n} combinations pass "
+                f"over {len({r['case'] for r in self.rows})} cases in {self.wall_s:.1f}s")
+        fam = "".join(
+            f"<tr><td>{html.escape(f)}</td><td>{d['cases']}</td><td>{d['passed']}/{d['combinations']}</td>"
+            f"<td>{d['comm_bytes']:,}</td></tr>" for f, d in self.summary().items())
+        table = ("<table><tr><th>family</th><th>cases</th><th>pass</th><th>bytes sent per rank</th></tr>"
+                 f"{fam}</table>")
+        fails = ""
+        if bad:
+            items = "".join(f"<li><code>{html.escape(r['case'])}</code> {r['mesh']} "
+                            f"<code>{html.escape(r['placements'])}</code>: {html.escape(str(r['error']))}</li>"
+                            for r in self.failures[:20])
+            fails = f"<p style='color:#b00'>Failures:</p><ul>{items}</ul>"
+        return f"<div>{head}{table}{fails}</div>"
+
+
+def check(family: str | None = None, names: list[str] | None = None, *, cap: int | None = DEFAULT_CAP,
+          meshes: tuple[str, ...] = ("1d", "2d"), rules: str = "ours", seed: int = 0,
+          timeout: float = DEFAULT_TIMEOUT_S, progress: bool = True) -> ConformanceReport:
+    """Run the conformance harness in 4 fresh gloo processes and return the report.
+
+    ``rules="torch"`` runs the same plan under torch's default rules (``WORKBENCH_SPMD=0`` in the
+    ranks): the benchmark's baseline. Raises ``TimeoutError`` (naming the last finished combination)
+    if the ranks run past ``timeout`` seconds, and ``RuntimeError`` with the failing rank's last lines
+    if a rank crashes.
+    """
+    if rules not in ("ours", "torch"):
+        raise ValueError(f"rules={rules!r}; choose 'ours' or 'torch'")
+    bad = sorted(set(meshes) - set(MESHES))
+    if bad:
+        raise ValueError(f"unknown mesh(es) {bad}; choose from {list(MESHES)}")
+    cases = select_cases(family, names)
+    if not cases:
+        raise ValueError(f"no conformance cases registered{' for family ' + repr(family) if family else ''}")
+    total = len(plan(cases, cap, meshes, seed))
+    spec = {"family": family, "names": names, "cap": cap, "meshes": list(meshes), "seed": seed,
+            "pg_timeout_s": 60}
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="wb-spmd-check-") as tmp:
+        out = Path(tmp) / "rows.jsonl"
+        port = _free_port()
+        env = {**os.environ, "WORKBENCH_SPMD": "1" if rules == "ours" else "0"}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        procs, logs = [], []
+        for r in range(WORLD):
+            log = open(Path(tmp) / f"rank{r}.log", "w+")
+            logs.append(log)
+            cmd = [sys.executable, "-c", "import json,sys; from workbench.spmd.conformance import _worker; "
+                   "_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))",
+                   str(r), str(WORLD), str(port), str(out), json.dumps(spec)]
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc=f"spmd check ({rules} rules)", unit="combo", leave=False)
+        done = 0
+        try:
+            while True:
+                n = _count_rows(out)
+                if bar is not None and n > done:
+                    bar.update(n - done)
+                done = n
+                codes = [p.poll() for p in procs]
+                if any(c not in (None, 0) for c in codes):
+                    r = next(i for i, c in enumerate(codes) if c not in (None, 0))
+                    raise RuntimeError(f"conformance rank {r} exited with code {codes[r]}:\n{_tail(logs[r])}")
+                if all(c == 0 for c in codes):
+                    break
+                if time.monotonic() - t0 > timeout:
+                    last = _last_row(out)
+                    where = f"after {last['case']} {last['mesh']} [{last['placements']}]" if last else "before any"
+                    raise TimeoutError(f"conformance run passed its {timeout:.0f}s limit ({done}/{total} "
+                                       f"combinations, stuck {where}); rank 0 log:\n{_tail(logs[0])}")
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
+            if bar is not None:
+                bar.close()
+            for log in logs:
+                log.close()
+        rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "done" not in r]
+    return ConformanceReport(rows=rows, rules=rules, wall_s=round(time.monotonic() - t0, 2), cap=cap,
+                             meta={"family": family, "meshes": list(meshes), "world_size": WORLD,
+                                   "bytes_definition": "per-rank bytes sent, ring algorithm (workbench.spmd.comm)"})
+
+
+def _count_rows(path: Path) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for line in f if line.startswith('{"case"'))
+    except OSError:
+        return 0
+
+
+def _last_row(path: Path) -> dict | None:
+    try:
+        lines = [ln for ln in path.read_text().splitlines() if ln.startswith('{"case"')]
+    except OSError:
+        return None
+    return json.loads(lines[-1]) if lines else None
+
+
+def _tail(log, n: int = 25) -> str:
+    log.flush()
+    log.seek(0)
+    return "\n".join(log.read().splitlines()[-n:])

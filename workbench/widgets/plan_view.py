@@ -1,0 +1,611 @@
+"""``ShardingPlanView``: what each rank holds, drawn from a :class:`workbench.plan.ShardingPlan`.
+
+A thin view: every number comes from the plan (``plan.blocks``, ``plan.local``, ``plan.rank_bytes``);
+the view only groups and draws them. Four linked parts::
+
+    view = ShardingPlanView(plan)          # or just evaluate the plan in a notebook
+    view.controls["filter"].value = "layers.3.attention"   # search (substring, or regex when ticked)
+    view.select_tensor("layers.3.attention.wq.weight")      # pick a tensor
+    view.select_rank(17)                                    # or click a cell of the mesh
+
+* **mesh**: the device mesh as a grid of ranks. Mesh dims of size 1 are dropped; the last two remaining
+  dims are the grid (x = the outer one, y = the inner one, e.g. dp_shard x tp), any dims before them
+  (e.g. pp) become small multiples stacked top to bottom. Each cell is coloured by the block of the
+  selected tensor that rank holds, so ranks of one colour are replicas of one block.
+* **tensor**: the selected tensor partitioned into the blocks the ranks hold. A 2-D tensor is a rectangle
+  (rows down, columns across), a 1-D tensor a bar; an N-D tensor is drawn over its two sharded (else
+  largest) dims and the other dims are named in the title. Each *distinct* block is drawn once and
+  labelled with who holds it ("r3", or "x8" for 8 replicas; in the hover when there are more than 64
+  blocks), so 1024 ranks never mean 1024 overlapping shapes::
+
+        placements (dp_shard=S(0), tp=S(1)) on a 2 x 2 mesh:      state per block
+        +---------+---------+                                      solid       sharded: a slice
+        | r0      | r1      |   rows 0:n/2                         hatched /   replicated: a full copy
+        +---------+---------+                                      hatched x   partial: a summand of
+        | r2      | r3      |   rows n/2:n                                     the full tensor
+        +---------+---------+
+* **bytes per rank**: parameter, gradient, optimizer and master bytes stacked, one bar per rank.
+* **rank**: the selected rank's coordinates, its local shape and offsets of the selected tensor, and its
+  byte totals.
+
+The tensor list never holds more than ``max_list`` entries (the first matches), so a plan with thousands
+of tensors stays quick to search.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+from typing import Any
+
+import ipywidgets as widgets
+import numpy as np
+import pandas as pd
+import plotly.colors
+import plotly.graph_objects as go
+from plotly.graph_objs import FigureWidget  # its first import costs ~1 s (jsonschema): paid at import
+from plotly.subplots import make_subplots
+
+CATEGORIES = ("parameter", "gradient", "optimizer", "master")
+CATEGORY_COLORS = {"parameter": "#1f77b4", "gradient": "#ff7f0e", "optimizer": "#2ca02c", "master": "#9467bd"}
+BLOCK_COLORS = tuple(plotly.colors.qualitative.Plotly)  # block i gets BLOCK_COLORS[i % 10]
+# How a block's state is drawn: solid for a slice, hatched for a full copy, cross-hatched and dotted
+# outline for a summand (a partial value every rank of the group adds to).
+STATE_STYLE = {
+    "sharded": {"pattern": "", "dash": "solid", "label": "sharded: a slice"},
+    "replicated": {"pattern": "/", "dash": "solid", "label": "replicated: a full copy"},
+    "partial": {"pattern": "x", "dash": "dot", "label": "partial: a summand of the whole"},
+}
+ABSENT_COLOR = "#dddddd"  # a mesh cell whose rank holds none of the tensor (another stage or owner)
+BLOCKS_CACHE = 64  # tensors whose blocks the view keeps, so going back and forth is instant
+LABEL_BLOCKS_MAX = 64  # above this many distinct blocks, replica counts go in the hover, not on the picture
+
+
+def _human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{int(n):,} B"
+
+
+def _ints(v: Any) -> tuple[int, ...] | None:
+    if type(v) is tuple:  # what plan.blocks gives: already plain ints (the common, fast path)
+        return v
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return tuple(int(x) for x in v)
+
+
+def _rank_ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5, 8, 9]`` -> ``"0-2, 5, 8-9"`` (at most 6 runs shown)."""
+    runs: list[tuple[int, int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:6])
+    return text + (", …" if len(runs) > 6 else "")
+
+
+def _sharded_dims(placements: tuple[str, ...]) -> list[int]:
+    dims: list[int] = []
+    for p in placements:
+        m = re.fullmatch(r"_?S\((\d+)\)", p.strip())
+        if m and int(m.group(1)) not in dims:
+            dims.append(int(m.group(1)))
+    return dims
+
+
+def drawn_dims(shape: tuple[int, ...], placements: tuple[str, ...]) -> tuple[int, ...]:
+    """The (at most two) tensor dims the picture shows: the sharded ones first, then the largest.
+
+    Returned in tensor order, so for two dims the first is drawn down (rows) and the second across.
+    """
+    if len(shape) <= 2:
+        return tuple(range(len(shape)))
+    picked = [d for d in _sharded_dims(placements) if d < len(shape)][:2]
+    for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        if len(picked) == 2:
+            break
+        if d not in picked:
+            picked.append(d)
+    return tuple(sorted(picked))
+
+
+def unique_blocks(blocks: pd.DataFrame) -> pd.DataFrame:
+    """Group ``plan.blocks(...)`` by what a rank holds: one row per distinct (offsets, lengths, state).
+
+    Columns: ``block`` (0.., in offset order), ``offsets``, ``lengths``, ``state``, ``ranks`` (sorted
+    tuple), ``replicas`` (how many ranks hold that block). Ranks whose state is ``absent`` are left out.
+    """
+    held = blocks[blocks["state"] != "absent"]
+    groups: dict[tuple, list[int]] = {}
+    for rank, off, ln, state in zip(held["rank"].tolist(), held["offsets"].tolist(), held["lengths"].tolist(),
+                                    held["state"].tolist()):
+        groups.setdefault((_ints(off), _ints(ln), state), []).append(int(rank))
+    rows = [{"offsets": off, "lengths": ln, "state": state, "ranks": tuple(sorted(r)), "replicas": len(r)}
+            for (off, ln, state), r in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))]
+    frame = pd.DataFrame(rows, columns=["offsets", "lengths", "state", "ranks", "replicas"])
+    frame.insert(0, "block", range(len(frame)))
+    return frame
+
+
+class ShardingPlanView:
+    """Explore a :class:`ShardingPlan`: the mesh, one tensor's blocks, bytes per rank. Evaluate to show.
+
+    ``tensor`` (a name) and ``kind`` pick the first tensor shown (default: the first tensor of ``kind``);
+    ``rank`` the first selected rank; ``max_list`` caps the tensor list. Drive it from code through
+    ``controls`` (``filter``, ``regex``, ``kind``, ``tensor``, ``rank``), :meth:`select_tensor` and
+    :meth:`select_rank`; read back ``tensor``, ``rank``, ``matches`` and ``blocks``.
+    """
+
+    def __init__(self, plan: Any, *, tensor: str | None = None, kind: str = "parameter", rank: int = 0,
+                 max_list: int = 200):
+        self.plan = plan
+        self.max_list = max_list
+        self.world_size = int(plan.world_size)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(self._rank_error(rank))
+        self._tensors = list(plan.tensors)
+        self._names = [t.name for t in self._tensors]
+        self._kinds = np.array([t.kind for t in self._tensors])
+        self._index = {(t.name, t.kind): i for i, t in enumerate(self._tensors)}
+        self._blocks_cache: dict[int, tuple[pd.DataFrame, pd.DataFrame]] = {}
+        self._matches: list[int] = []
+        self._current: int | None = None
+        self._rank = rank
+        self._busy = False  # set while the view updates its own controls, so observers don't re-enter
+
+        self.rank_bytes = plan.rank_bytes()
+        # Mesh picture: drop size-1 dims; the last two are the grid, the ones before them the facets.
+        shape = tuple(plan.mesh_shape)
+        # coords(rank) for every rank at once (the mesh is row-major, outermost dim first)
+        self._coords = np.stack(np.unravel_index(np.arange(self.world_size), shape), axis=1).astype(np.int64)
+        self._shown = [i for i, n in enumerate(shape) if n > 1]
+        grid = self._shown[-2:]
+        self._facet_dims = self._shown[:-2]
+        self._x_dim = grid[0] if grid else None
+        self._y_dim = grid[1] if len(grid) == 2 else None
+        self._facets = [()]
+        for d in self._facet_dims:
+            self._facets = [f + (c,) for f in self._facets for c in range(shape[d])]
+
+        style = {"description_width": "initial"}
+        self.controls: dict[str, widgets.ValueWidget] = {
+            "filter": widgets.Text("", description="filter", placeholder="part of a name, e.g. layers.3.attention",
+                                   continuous_update=True, style=style, layout=widgets.Layout(width="290px")),
+            "regex": widgets.Checkbox(False, description="regex", indent=False, layout=widgets.Layout(width="80px")),
+            "kind": widgets.Dropdown(options=["all", *CATEGORIES], value="all", description="kind", style=style,
+                                     layout=widgets.Layout(width="160px")),
+            "tensor": widgets.Select(options=[], rows=10, layout=widgets.Layout(width="440px")),
+            "rank": widgets.BoundedIntText(rank, min=0, max=self.world_size - 1, description="rank", style=style,
+                                           layout=widgets.Layout(width="140px")),
+        }
+        c = self.controls
+        self.count_label = widgets.HTML("")
+        self.header = widgets.HTML(self._header_html())
+        self.tensor_info = widgets.HTML("")
+        self.rank_info = widgets.HTML("")
+        self.mesh_fig = self._mesh_figure()
+        self.tensor_fig = FigureWidget(layout={
+            "height": 420, "width": 620, "margin": {"l": 70, "r": 10, "t": 60, "b": 50},
+            "plot_bgcolor": "#f4f4f4", "legend": {"orientation": "h", "y": -0.12, "font": {"size": 10}},
+            "hovermode": "closest"})
+        self.bytes_fig = self._bytes_figure()
+
+        c["filter"].observe(lambda _: self._refilter(), "value")
+        c["regex"].observe(lambda _: self._refilter(), "value")
+        c["kind"].observe(lambda _: self._refilter(), "value")
+        c["tensor"].observe(self._on_tensor_control, "value")
+        c["rank"].observe(lambda ch: None if self._busy else self.select_rank(ch["new"]), "value")
+        for trace in self.mesh_fig.data:
+            trace.on_click(self._on_mesh_click)
+
+        self.widget = widgets.VBox([
+            self.header,
+            widgets.HBox([
+                widgets.VBox([widgets.HBox([c["filter"], c["regex"]]), widgets.HBox([c["kind"], self.count_label]),
+                              c["tensor"],
+                              self.tensor_info], layout=widgets.Layout(width="460px")),
+                self.tensor_fig,
+            ]),
+            widgets.HBox([widgets.VBox([self.mesh_fig]), widgets.VBox([c["rank"], self.rank_info],
+                                                                      layout=widgets.Layout(width="380px"))]),
+            self.bytes_fig,
+        ])
+
+        self._refilter(redraw=False)
+        start = self._index.get((tensor, kind)) if tensor is not None else None
+        if tensor is not None and start is None:
+            raise ValueError(f"the plan has no {kind} tensor named {tensor!r}; see plan.to_frame() for the names")
+        if start is None:  # the first tensor of that kind (the embedding's parameter, in our models)
+            start = next((i for i, k in enumerate(self._kinds) if k == kind), 0 if self._tensors else None)
+        if start is not None:
+            self._show_tensor(start)
+        self._show_rank()
+
+    def _rank_error(self, rank: int) -> str:
+        return f"rank={rank} is outside the plan's {self.world_size} ranks; choose 0..{self.world_size - 1}"
+
+    # -- notebook display ---------------------------------------------------------------------------
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        bundle["text/plain"] = repr(self)
+        return bundle
+
+    def __repr__(self) -> str:
+        t = self.tensor
+        what = f"{t.name} [{t.kind}]" if t is not None else "no tensor"
+        return f"ShardingPlanView({self.plan.model_name}, {self.world_size} ranks, {what}, rank {self._rank})"
+
+    # -- state --------------------------------------------------------------------------------------
+    @property
+    def tensor(self) -> Any:
+        """The selected :class:`TensorPlan` (None for a plan without tensors)."""
+        return None if self._current is None else self._tensors[self._current]
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def matches(self) -> list:
+        """Every tensor the filter and kind select (the list control shows the first ``max_list``)."""
+        return [self._tensors[i] for i in self._matches]
+
+    @property
+    def blocks(self) -> pd.DataFrame:
+        """The distinct blocks of the selected tensor, as drawn (see :func:`unique_blocks`)."""
+        return self._blocks(self._current)[1]
+
+    # -- actions ------------------------------------------------------------------------------------
+    def select_tensor(self, name: str, kind: str = "parameter") -> None:
+        """Show tensor ``name`` of ``kind`` (it need not match the filter)."""
+        i = self._index.get((name, kind))
+        if i is None:
+            raise ValueError(f"the plan has no {kind} tensor named {name!r}; see plan.to_frame() for the names")
+        self._show_tensor(i)
+
+    def select_rank(self, rank: int) -> None:
+        """Highlight ``rank`` in every figure and show what it holds."""
+        rank = int(rank)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(self._rank_error(rank))
+        self._rank = rank
+        if self.controls["rank"].value != rank:
+            self._busy = True
+            try:
+                self.controls["rank"].value = rank
+            finally:
+                self._busy = False
+        self._show_rank()
+
+    # -- filtering ----------------------------------------------------------------------------------
+    def _refilter(self, redraw: bool = True) -> None:
+        if self._busy:
+            return
+        text, kind = self.controls["filter"].value.strip(), self.controls["kind"].value
+        candidates = range(len(self._tensors)) if kind == "all" else np.flatnonzero(self._kinds == kind).tolist()
+        error = ""
+        if not text:
+            matches = list(candidates)
+        elif self.controls["regex"].value:
+            try:
+                pattern = re.compile(text)
+            except re.error as exc:
+                pattern, error = None, f"invalid regex: {exc}; untick regex to search for the text itself"
+            matches = [i for i in candidates if pattern.search(self._names[i])] if pattern else []
+        else:
+            low = text.lower()
+            matches = [i for i in candidates if low in self._names[i].lower()]
+        self._matches = matches
+        shown = matches[: self.max_list]
+        if error:
+            self.count_label.value = f"<span style='color:#d62728'>{html.escape(error)}</span>"
+        else:
+            more = f" (showing the first {len(shown)})" if len(matches) > len(shown) else ""
+            self.count_label.value = f"<b>{len(matches):,}</b> of {len(self._tensors):,} tensors match{more}"
+        options = [(self._option_label(i), i) for i in shown]
+        self._busy = True
+        try:
+            self.controls["tensor"].options = options
+            self.controls["tensor"].value = self._current if self._current in shown else None
+        finally:
+            self._busy = False
+        if redraw and shown and self._current not in shown:
+            self._show_tensor(shown[0])
+
+    def _option_label(self, i: int) -> str:
+        t = self._tensors[i]
+        return f"{t.name} · {t.kind} · {'x'.join(map(str, t.global_shape)) or 'scalar'}"
+
+    def _on_tensor_control(self, change: dict) -> None:
+        if not self._busy and change["new"] is not None:
+            self._show_tensor(change["new"])
+
+    # -- tensor -------------------------------------------------------------------------------------
+    def _blocks(self, i: int | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+        if i is None:
+            empty = pd.DataFrame(columns=["block", "offsets", "lengths", "state", "ranks", "replicas"])
+            return pd.DataFrame(columns=["rank", "offsets", "lengths", "state"]), empty
+        if i not in self._blocks_cache:
+            t = self._tensors[i]
+            per_rank = self.plan.blocks(t.name, kind=t.kind)
+            if len(self._blocks_cache) >= BLOCKS_CACHE:  # a frame per rank each: keep the recent ones only
+                self._blocks_cache.pop(next(iter(self._blocks_cache)))
+            self._blocks_cache[i] = (per_rank, unique_blocks(per_rank))
+        return self._blocks_cache[i]
+
+    def _show_tensor(self, i: int) -> None:
+        self._current = i
+        if self.controls["tensor"].value != i and any(v == i for _, v in self.controls["tensor"].options):
+            self._busy = True
+            try:
+                self.controls["tensor"].value = i
+            finally:
+                self._busy = False
+        t = self._tensors[i]
+        per_rank, uniq = self._blocks(i)
+        self._draw_tensor(t, uniq)
+        self._color_mesh(t, per_rank, uniq)
+        self.tensor_info.value = self._tensor_html(t, uniq, per_rank)
+        self._show_rank()
+
+    def _draw_tensor(self, t: Any, uniq: pd.DataFrame) -> None:
+        shape = tuple(t.global_shape) or (1,)  # a scalar is drawn as a bar of one element
+        dims = drawn_dims(shape, tuple(t.placements))
+        ydim, xdim = (dims[0], dims[1]) if len(dims) == 2 else (None, dims[0])
+        nd = len(shape)
+        off = np.array([o or (0,) for o in uniq["offsets"]], dtype=np.int64).reshape(-1, nd)
+        ln = np.array([n or (1,) for n in uniq["lengths"]], dtype=np.int64).reshape(-1, nd)
+        keep = ln.prod(axis=1) > 0  # an empty shard has nothing to draw (the info panel counts it)
+        blocks, states = uniq["block"].to_numpy()[keep], uniq["state"].to_numpy()[keep]
+        ranks, reps = uniq["ranks"].to_numpy()[keep], uniq["replicas"].to_numpy()[keep]
+        off, ln = off[keep], ln[keep]
+        x0, x1 = off[:, xdim], off[:, xdim] + ln[:, xdim]
+        if ydim is None:
+            y0, y1 = np.zeros(len(off)), np.ones(len(off))
+        else:
+            y0, y1 = off[:, ydim], off[:, ydim] + ln[:, ydim]
+        # Every block a closed rectangle, NaN between rectangles: one trace draws many of them.
+        gap = np.full(len(off), np.nan)
+        xs = np.stack([x0, x1, x1, x0, x0, gap], axis=1).astype(float)
+        ys = np.stack([y0, y0, y1, y1, y0, gap], axis=1).astype(float)
+        colors = blocks % len(BLOCK_COLORS)
+        outline = 0.6 if len(off) <= LABEL_BLOCKS_MAX else 0  # outlines of hundreds of thin strips hide the colours
+        traces: list[dict] = []
+        for state in [s for s in STATE_STYLE if s in set(states)] + sorted(set(states) - set(STATE_STYLE)):
+            st = STATE_STYLE.get(state, STATE_STYLE["sharded"])
+            for color in sorted(set(colors[states == state].tolist())):
+                sel = (states == state) & (colors == color)
+                traces.append(dict(
+                    type="scatter", x=xs[sel].ravel(), y=ys[sel].ravel(), mode="lines", fill="toself",
+                    fillcolor=BLOCK_COLORS[color],
+                    fillpattern={"shape": st["pattern"], "bgcolor": BLOCK_COLORS[color], "fgcolor": "white",
+                                 "fgopacity": 0.9, "size": 10} if st["pattern"] else None,
+                    line={"color": "black", "width": outline, "dash": st["dash"]}, hoverinfo="skip",
+                    showlegend=False, meta={"role": "blocks", "state": state}))
+            traces.append(dict(  # the legend entry for this state (a bar: legends show its pattern)
+                type="bar", x=[None], y=[None], name=st["label"], meta={"role": "legend", "state": state},
+                marker={"color": "#bbbbbb", "pattern": {"shape": st["pattern"], "fgcolor": "white"},
+                        "line": {"color": "black", "width": 0.6}}))
+        hover = [f"block {b} [{', '.join(f'{o}:{o + n}' for o, n in zip(o_, n_))}] · {s}<br>"
+                 f"held by {r} rank(s): {_rank_ranges(list(rk))}"
+                 for b, o_, n_, s, r, rk in zip(blocks.tolist(), off.tolist(), ln.tolist(), states, reps.tolist(),
+                                                ranks)]
+        centres_x, centres_y = (x0 + x1) / 2, (y0 + y1) / 2
+        traces.append(dict(  # invisible markers at the block centres: the hover text, and a click target
+            type="scatter", x=centres_x, y=centres_y, mode="markers", hovertext=hover, hoverinfo="text",
+            customdata=np.stack([blocks.astype(np.int64), np.array([rk[0] for rk in ranks], dtype=np.int64)],
+                                axis=1) if len(off) else None,
+            marker={"size": 14, "opacity": 0}, showlegend=False, meta={"role": "centres"}))
+        # With few blocks, each is labelled with who holds it: "r3" for one rank, "x8" for 8 replicas.
+        labels = [] if len(off) > LABEL_BLOCKS_MAX else [
+            {"x": x, "y": y, "text": f"×{r}" if r > 1 else f"r{rk[0]}", "showarrow": False,
+             "font": {"size": 11, "color": "black"}, "bgcolor": "rgba(255,255,255,0.75)"}
+            for x, y, r, rk in zip(centres_x.tolist(), centres_y.tolist(), reps.tolist(), ranks)]
+        reps = sorted(set(uniq["replicas"]))
+        rep_text = (f"each block held by {reps[0]} rank(s)" if len(reps) == 1
+                    else f"blocks held by {reps[0]}-{reps[-1]} ranks") if reps else "held by no rank"
+        rest = [f"dim {d}={shape[d]}" for d in range(len(shape)) if d not in dims]
+        title = (f"<b>{html.escape(t.name)}</b> [{t.kind}] {tuple(t.global_shape)}<br>"
+                 f"<span style='font-size:11px'>{len(uniq)} distinct block(s), {rep_text}"
+                 f"{'; not drawn (whole in every block): ' + ', '.join(rest) if rest else ''}</span>")
+        with self.tensor_fig.batch_update():
+            self.tensor_fig.data = ()
+            self.tensor_fig.add_traces(traces)
+            centres = self.tensor_fig.data[-1]
+            centres.on_click(self._on_block_click)
+            self.tensor_fig.layout.title = {"text": title, "font": {"size": 13}}
+            self.tensor_fig.layout.annotations = labels
+            self.tensor_fig.layout.xaxis = {"title": f"dim {xdim} ({shape[xdim]:,})", "range": [0, shape[xdim]],
+                                            "zeroline": False, "showgrid": False}
+            if ydim is None:
+                self.tensor_fig.layout.yaxis = {"range": [0, 1], "showticklabels": False, "title": "",
+                                                "showgrid": False, "zeroline": False}
+            else:
+                self.tensor_fig.layout.yaxis = {"title": f"dim {ydim} ({shape[ydim]:,})", "range": [shape[ydim], 0],
+                                                "zeroline": False, "showgrid": False}
+        self._xy_dims = (xdim, ydim)
+
+    def _on_block_click(self, trace: Any, points: Any, selector: Any) -> None:
+        if points.point_inds:
+            self.select_rank(trace.customdata[points.point_inds[0]][1])
+
+    # -- mesh ---------------------------------------------------------------------------------------
+    def _cell(self, rank: int) -> tuple[int, int, int]:
+        """(facet index, x, y) of ``rank`` in the mesh picture."""
+        c = self._coords[rank]
+        facet = self._facets.index(tuple(int(c[d]) for d in self._facet_dims)) if self._facet_dims else 0
+        x = int(c[self._x_dim]) if self._x_dim is not None else 0
+        y = int(c[self._y_dim]) if self._y_dim is not None else 0
+        return facet, x, y
+
+    def _mesh_figure(self) -> FigureWidget:
+        shape, names = tuple(self.plan.mesh_shape), tuple(self.plan.mesh_dim_names)
+        nx = shape[self._x_dim] if self._x_dim is not None else 1
+        ny = shape[self._y_dim] if self._y_dim is not None else 1
+        titles = [" · ".join(f"{names[d]}={v}" for d, v in zip(self._facet_dims, f)) for f in self._facets]
+        rows = len(self._facets)
+        fig = make_subplots(rows=rows, cols=1, subplot_titles=titles if self._facet_dims else None,
+                            vertical_spacing=min(0.3 / max(rows - 1, 1), 0.12))
+        # Which rank sits at (facet, y, x): every cell has one (the mesh is a full box).
+        self._grid = np.zeros((rows, ny, nx), dtype=np.int64)
+        for r in range(self.world_size):
+            f, x, y = self._cell(r)
+            self._grid[f, y, x] = r
+        # A step colorscale: value i < 10 is block colour i, value 10 is "holds none of it".
+        colors = (*BLOCK_COLORS, ABSENT_COLOR)
+        scale = [pt for i, col in enumerate(colors) for pt in ([i / len(colors), col], [(i + 1) / len(colors), col])]
+        xtick = {"tickmode": "linear", "tick0": 0, "dtick": max(1, nx // 8)}
+        for f in range(rows):
+            fig.add_trace(go.Heatmap(
+                z=np.zeros((ny, nx)), x=list(range(nx)), y=list(range(ny)), customdata=self._grid[f],
+                colorscale=scale, zmin=-0.5, zmax=len(colors) - 0.5, showscale=False, xgap=1, ygap=1,
+                hoverinfo="text", meta={"facet": f}), row=f + 1, col=1)
+            fig.update_yaxes(range=[ny - 0.5, -0.5], row=f + 1, col=1, showgrid=False, zeroline=False,
+                             title_text=names[self._y_dim] if self._y_dim is not None else "",
+                             showticklabels=self._y_dim is not None, tickmode="linear", tick0=0,
+                             dtick=max(1, ny // 4))
+            fig.update_xaxes(range=[-0.5, nx - 0.5], row=f + 1, col=1, showgrid=False, zeroline=False, **xtick,
+                             title_text=names[self._x_dim] if (self._x_dim is not None and f == rows - 1) else "")
+        cell = max(5, min(40, 480 // max(nx, 1)))
+        band = max(ny * cell, 24) + (34 if self._facet_dims else 0)
+        fig.update_layout(height=min(1400, 125 + rows * band), width=max(380, min(620, 110 + nx * cell)),
+                          margin={"l": 60, "r": 10, "t": 75 if self._facet_dims else 60, "b": 45},
+                          plot_bgcolor="white",
+                          title={"text": self._mesh_title(), "font": {"size": 12}})
+        fig.update_annotations(font_size=11)
+        return FigureWidget(fig)
+
+    def _mesh_title(self) -> str:
+        names, shape = self.plan.mesh_dim_names, self.plan.mesh_shape
+        dims = " x ".join(f"{names[d]} {shape[d]}" for d in self._shown) or "1 rank"
+        return f"Mesh: {dims} = {self.world_size:,} ranks<br><span style='font-size:10px'>colour: the block " \
+               f"each rank holds; grey: none</span>"
+
+    def _color_mesh(self, t: Any, per_rank: pd.DataFrame, uniq: pd.DataFrame) -> None:
+        block_of: dict[tuple, int] = {}
+        for b, off, ln, state in uniq[["block", "offsets", "lengths", "state"]].itertuples(index=False):
+            block_of[(off, ln, state)] = b
+        z = np.full(self.world_size, float(len(BLOCK_COLORS)))  # "holds none of it" unless set below
+        text = np.empty(self.world_size, dtype=object)
+        names = self.plan.mesh_dim_names
+        for rank, off, ln, state in per_rank[["rank", "offsets", "lengths", "state"]].itertuples(index=False):
+            rank = int(rank)
+            coords = " ".join(f"{names[d]}={self._coords[rank][d]}" for d in self._shown)
+            if state == "absent":
+                stage = f" (on stage {t.stage})" if getattr(t, "stage", None) is not None else ""
+                text[rank] = f"rank {rank} · {coords}<br>does not hold it{stage}"
+                continue
+            off, ln = _ints(off), _ints(ln)
+            b = block_of.get((off, ln, state))
+            if b is not None:
+                z[rank] = b % len(BLOCK_COLORS)
+            where = ", ".join(f"{o}:{o + n}" for o, n in zip(off or (), ln or ()))
+            text[rank] = f"rank {rank} · {coords}<br>block {b} [{where}] · {state}"
+        with self.mesh_fig.batch_update():
+            for f, trace in enumerate(self.mesh_fig.data):
+                g = self._grid[f]
+                trace.z = z[g]
+                trace.text = text[g]
+
+    def _on_mesh_click(self, trace: Any, points: Any, selector: Any) -> None:
+        if points.xs:
+            f = (trace.meta or {}).get("facet", 0)
+            self.select_rank(int(self._grid[f, int(points.ys[0]), int(points.xs[0])]))
+
+    # -- bytes --------------------------------------------------------------------------------------
+    def _bytes_figure(self) -> FigureWidget:
+        rb = self.rank_bytes
+        ranks = list(range(self.world_size))
+        fig = FigureWidget()
+        distinct = len(rb[list(c for c in CATEGORIES if c in rb.columns)].drop_duplicates())
+        with fig.batch_update():
+            for cat in CATEGORIES:
+                if cat in rb.columns:
+                    fig.add_bar(x=ranks, y=(rb[cat].to_numpy() / 2**30).tolist(), name=cat,
+                                marker={"color": CATEGORY_COLORS[cat], "line": {"width": 0}},
+                                hovertemplate=f"rank %{{x}}<br>{cat}: %{{y:.3f}} GiB<extra></extra>")
+            fig.update_layout(
+                barmode="stack", bargap=0 if self.world_size > 64 else 0.15, height=300, width=1080,
+                title={"text": f"Bytes per rank by category ({distinct} distinct pattern(s) over "
+                               f"{self.world_size:,} ranks)", "font": {"size": 13}},
+                xaxis={"title": "rank"}, yaxis={"title": "GiB"}, margin={"l": 60, "r": 10, "t": 50, "b": 40},
+                legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right"})
+        return fig
+
+    # -- rank ---------------------------------------------------------------------------------------
+    def _show_rank(self) -> None:
+        rank = self._rank
+        f, x, y = self._cell(rank)
+        mesh_axis = "" if f == 0 else str(f + 1)
+        self.mesh_fig.layout.shapes = [{"type": "rect", "xref": f"x{mesh_axis}", "yref": f"y{mesh_axis}",
+                                        "x0": x - 0.5, "x1": x + 0.5, "y0": y - 0.5, "y1": y + 0.5,
+                                        "line": {"color": "black", "width": 3}}]
+        self.bytes_fig.layout.shapes = [{"type": "rect", "xref": "x", "yref": "paper", "x0": rank - 0.5,
+                                         "x1": rank + 0.5, "y0": 0, "y1": 1, "fillcolor": "rgba(0,0,0,0.12)",
+                                         "line": {"color": "black", "width": 1}}]
+        local = None
+        t = self.tensor
+        if t is not None:
+            local = self.plan.local(t.name, rank, kind=t.kind)
+            shapes = []
+            if local is not None and math.prod(local[0]) > 0:
+                xdim, ydim = self._xy_dims
+                ln, off = local[0] or (1,), local[1] or (0,)
+                y0, y1 = (off[ydim], off[ydim] + ln[ydim]) if ydim is not None else (0, 1)
+                shapes = [{"type": "rect", "x0": off[xdim], "x1": off[xdim] + ln[xdim], "y0": y0, "y1": y1,
+                           "line": {"color": "black", "width": 3}}]
+            self.tensor_fig.layout.shapes = shapes
+        self.rank_info.value = self._rank_html(rank, t, local)
+
+    # -- text ---------------------------------------------------------------------------------------
+    def _header_html(self) -> str:
+        p = self.plan
+        parallel = getattr(p, "parallel", None)
+        layout = parallel.describe() if hasattr(parallel, "describe") else ""
+        total = self.rank_bytes["total"] if "total" in self.rank_bytes.columns else self.rank_bytes.sum(axis=1)
+        return (f"<b>Sharding plan</b>: {html.escape(str(p.model_name))} · {html.escape(layout)} · "
+                f"{self.world_size:,} ranks · {len(self._tensors):,} tensors · per-rank bytes "
+                f"{_human_bytes(total.min())} to {_human_bytes(total.max())}")
+
+    def _tensor_html(self, t: Any, uniq: pd.DataFrame, per_rank: pd.DataFrame) -> str:
+        names = self.plan.mesh_dim_names
+        places = ", ".join(f"{names[d]}={p}" for d, p in enumerate(t.placements) if self.plan.mesh_shape[d] > 1)
+        absent = int((per_rank["state"] == "absent").sum())
+        stage = f" · stage {t.stage}" if getattr(t, "stage", None) is not None else ""
+        rows = "".join(
+            f"<tr><td>{b}</td><td>{html.escape(str(off))}</td><td>{html.escape(str(ln))}</td><td>{st}</td>"
+            f"<td>{reps}</td></tr>"
+            for b, off, ln, st, reps in uniq[["block", "offsets", "lengths", "state", "replicas"]].head(4)
+            .itertuples(index=False))
+        more = f"<tr><td colspan=5>… {len(uniq) - 4:,} more (hover the blocks)</td></tr>" if len(uniq) > 4 else ""
+        return (f"<div style='font-size:12px;line-height:1.4'><b>{html.escape(t.name)}</b> [{t.kind}] {t.dtype} "
+                f"{tuple(t.global_shape)} = {_human_bytes(t.nbytes)}{stage}<br>placements: {places or 'one rank'}"
+                f"<br>{len(uniq):,} distinct block(s); {absent:,} rank(s) hold none of it"
+                f"<table style='font-size:11px;line-height:1.2'><tr><th>block</th><th>offsets</th><th>lengths</th>"
+                f"<th>state</th><th>ranks</th></tr>{rows}{more}</table></div>")
+
+    def _rank_html(self, rank: int, t: Any, local: Any) -> str:
+        names = self.plan.mesh_dim_names
+        coords = ", ".join(f"{names[d]}={self._coords[rank][d]}" for d in range(len(names)))
+        if t is None:
+            holds = ""
+        elif local is None:
+            where = f" (it lives on stage {t.stage})" if getattr(t, "stage", None) is not None else ""
+            holds = f"holds none of <b>{html.escape(t.name)}</b>{where}"
+        else:
+            ln, off = local
+            holds = (f"holds <b>{html.escape(t.name)}</b> [{t.kind}]: local shape {tuple(ln)}, offsets "
+                     f"{tuple(off)} = {_human_bytes(math.prod(ln) * t.itemsize)}")
+        row = self.rank_bytes.loc[rank]
+        cells = "".join(f"<tr><td>{c}</td><td style='text-align:right'>{_human_bytes(row[c])}</td></tr>"
+                        for c in (*CATEGORIES, "total") if c in row.index)
+        return (f"<div style='font-size:12px;line-height:1.4'><b>rank {rank}</b> ({coords})<br>{holds}"
+                f"<table style='font-size:12px;line-height:1.2'>{cells}</table></div>")
+
+
+__all__ = ["ShardingPlanView", "unique_blocks", "drawn_dims"]
