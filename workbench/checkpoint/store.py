@@ -231,6 +231,11 @@ def resolve_checkpoint(spec: str | Path, default_root: str | Path | None = None,
         root = Path(default_root)
     else:
         root = Path(spec)
+    if root.is_file() and root.name == LATEST:  # the pointer file itself: resolve it in its directory
+        root = root.parent
+    elif root.exists() and not root.is_dir():
+        raise ValueError(f"{root} is a file, not a checkpoint; pass a run directory, its checkpoints/ "
+                         "directory, a step-NNNNNN directory or its latest file")
     if (root / MANIFEST).exists() or (root / ".metadata").exists():  # a checkpoint directory itself
         ok, why = is_complete(root, verify_checksums)
         if not ok:

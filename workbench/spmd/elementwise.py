@@ -16,6 +16,8 @@ so torch all-reduces the full tensor where nothing (or a scalar) needs to move::
       (its gradient is grad.masked_fill(mask, 0): a Partial(sum) gradient, as tensor parallelism
        produces, now stays Partial instead of being all-reduced)
     masked_fill(x, mask, v: Tensor)  x and v both Partial(r) -> Partial(r), any r
+                                  (except where x and the mask are sharded on different dims: there
+                                  torch's plan moves fewer bytes, forward + backward, and decides)
     where(cond, a, b)             a, b both Partial(r) -> Partial(r); one side Partial(avg|max|min),
                                   the other replicated -> Partial(same)
     clamp(x, lo, hi), clamp_min, clamp_max, hardtanh   non-decreasing on all of R:
@@ -37,7 +39,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor._ops._pointwise_ops import _common_pointwise_single_dim_strategy
 
-from workbench.spmd.registry import Case, case, single_dim_strategy
+from workbench.spmd.registry import (RULES, Case, case, dispatch_past_handler, single_dim_strategy,
+                                     torch_strategy_dispatch)
 
 aten = torch.ops.aten
 
@@ -80,6 +83,44 @@ def masked_fill_tensor(op, args_meta, kwargs_meta):
     for r in ("avg", "max", "min"):
         extra += [[_P[r], _P[r], Replicate(), Replicate()], [_P[r], Replicate(), Replicate(), _P[r]]]
     return _pointwise(op, args_meta, kwargs_meta, extra)
+
+
+def _misaligned_partial(x, mask, value) -> bool:
+    """True when ``x`` (or the fill value) is Partial on some mesh dim AND ``x`` and ``mask`` are sharded on
+    different tensor dims of one mesh dim (mask dims aligned to ``x``'s from the right, as broadcasting does).
+
+    There DTensor's cost model (latency per collective, not bytes) takes our Partial row, gathers the
+    mask to keep the Partial, and leaves the output sharded like ``x`` but not like the mask: the
+    backward (``grad.masked_fill(mask, 0)``, and ``where`` for the value's gradient) then moves the float
+    gradient onto the mask's shards, once per op. Torch's rule aligns the output with the mask in the
+    forward and moves fewer bytes in all (2x2 mesh, ``x: [S(0), P(max)]``, mask ``[S(1), S(1)]``:
+    torch 96 bytes, ours 116). So these placements go to torch's rule.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(x, DTensor) or not isinstance(mask, DTensor):
+        return False
+    if not any(isinstance(p, Partial) for t in (x, value) if isinstance(t, DTensor) for p in t.placements):
+        return False
+    off = x.ndim - mask.ndim
+    for px, pm in zip(x.placements, mask.placements):
+        if isinstance(px, Shard) and isinstance(pm, Shard) and px.dim % x.ndim != pm.dim % max(mask.ndim, 1) + off:
+            return True
+    return False
+
+
+def masked_fill_tensor_handler(op_call, args, kwargs):
+    """In front of :func:`masked_fill_tensor`: placements where torch's rule moves fewer bytes go to torch's
+    rule (:func:`_misaligned_partial`); the rest run through our single-dim strategy."""
+    x, mask = args[0], args[1]
+    value = args[2] if len(args) > 2 else (kwargs or {}).get("value")
+    if _misaligned_partial(x, mask, value):
+        return torch_strategy_dispatch(op_call, args, kwargs)
+    return dispatch_past_handler(op_call, args, kwargs)
+
+
+for _op in (aten.masked_fill.Tensor, aten.masked_fill_.Tensor):
+    RULES[_op].handler = masked_fill_tensor_handler  # both: the handler routes, the single-dim rule decides
 
 
 @single_dim_strategy(

@@ -50,9 +50,11 @@ Costs and limits, measured (tests/test_spmd_norms.py):
   per buffer): every rank must hold every channel's value. Torch moves nothing there because it drops
   the update.
 * instance_norm with C sharded: torch's ``view`` to ``[1, N*C, *S]`` gathers the activation (or makes a
-  ``_StridedShard``, which we gather, as torch does) before our rule runs; CompositeImplicit ops such as
-  ``aten.instance_norm`` never reach DTensor, so no rule can intercept earlier. Batch- and
-  spatial-sharded instance_norm are local / all-reduce only.
+  ``_StridedShard``) before our rule runs; CompositeImplicit ops such as ``aten.instance_norm`` never
+  reach DTensor, so no rule can intercept earlier. Where the view leaves only channel shards (strided
+  or not: C and N both sharded, ``[S(1), S(0)]`` on 2x2) every rank holds whole ``(n, c)`` rows and
+  torch's batch_norm rule runs locally with 0 bytes, so those placements stay torch's (our layout
+  would gather the strided shard). Batch- and spatial-sharded instance_norm are local / all-reduce only.
 * layer_norm / rms_norm: torch's single-dim rules keep every row sharding local with no bytes, so
   those stay torch's. With a normalised dim sharded torch all-gathers x; ours all-reduce two floats
   per row (``sum x``, ``sum (x - mean)^2``) instead. ``F.rms_norm`` on CPU decomposes before DTensor
@@ -112,9 +114,10 @@ class _Layout:
 def _layout(x: DTensor, adopt: tuple = ()) -> _Layout:
     """The layout a norm runs ``x`` in: its Shard placements are kept; Partial and ``_StridedShard``
     (which torch's view creates from instance_norm's ``[N, C] -> [N*C]`` when C is split) are gathered
-    first, as torch's own rule does. A mesh dim where ``x`` is Replicate but a per-channel vector in
-    ``adopt`` is ``Shard(0)`` becomes a channel shard of ``x`` (a local slice), so the vector need not
-    be gathered."""
+    first (where the strided shard is the only split besides channels, the handlers leave the op to
+    torch's rule instead: :func:`_strided_channels_only`). A mesh dim where ``x`` is Replicate but a
+    per-channel vector in ``adopt`` is ``Shard(0)`` becomes a channel shard of ``x`` (a local slice), so
+    the vector need not be gathered."""
     batch, channel, spatial, pls = [], [], [], []
     for i, p in enumerate(x.placements):
         if type(p) is Shard:
@@ -192,6 +195,22 @@ def _bcast(v: torch.Tensor, ndim: int) -> torch.Tensor:
     return v.reshape((1, -1) + (1,) * (ndim - 2))
 
 
+def _strided_channels_only(x: DTensor) -> bool:
+    """``x`` carries a ``_StridedShard`` and is otherwise split on channels only (or replicated).
+
+    That is instance_norm's ``[N, C, *S] -> [1, N*C, *S]`` view of a channel-sharded input (with the batch
+    sharded too it becomes ``[_StridedShard(1), Shard(1)]``: every rank holds whole (n, c) rows). Our
+    layout gathers the strided shard, while torch's batch_norm rule runs it locally, so with nothing in
+    the reduction set to all-reduce torch's rule moves no more bytes (2x2 mesh, x ``[S(1), S(0)]``:
+    torch 0 bytes, gathering 2880) and these placements stay torch's.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    ps = x.placements
+    return any(isinstance(p, _StridedShard) for p in ps) and all(
+        isinstance(p, Replicate) or (isinstance(p, (Shard, _StridedShard)) and p.dim % x.ndim == 1) for p in ps)
+
+
 def _all_dtensors(values) -> bool:
     return all(v is None or isinstance(v, DTensor) or not isinstance(v, torch.Tensor) for v in values)
 
@@ -243,6 +262,8 @@ def batch_norm_forward(op_call, args, kwargs):
         return torch_dispatch(op_call, args, kwargs)
     lay = _layout(x, adopt=(w, b, rm, rv))
     if not lay.sharded:  # everything replicated: torch's rule is the local op already
+        return torch_dispatch(op_call, args, kwargs)
+    if _strided_channels_only(x) and not (training and rm is not None):  # (torch drops a stats update)
         return torch_dispatch(op_call, args, kwargs)
 
     mesh, vec = lay.mesh, lay.vec()
@@ -304,7 +325,7 @@ def batch_norm_backward(op_call, args, kwargs):
     if not isinstance(x, DTensor) or not isinstance(go, DTensor) or x.ndim < 2 or not _all_dtensors(vecs):
         return torch_dispatch(op_call, args, kwargs)
     lay = _layout(x, adopt=vecs)
-    if not lay.sharded:
+    if not lay.sharded or _strided_channels_only(x):
         return torch_dispatch(op_call, args, kwargs)
     mesh, vec = lay.mesh, lay.vec()
     C, nd = x.shape[1], x.ndim

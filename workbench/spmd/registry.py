@@ -63,6 +63,8 @@ class Rule:
 
     @property
     def kind(self) -> str:
+        if self.single_dim is not None:  # a handler next to it only routes placements to torch's rule
+            return "single_dim"
         return "handler" if self.handler is not None else "strategy" if self.strategy is not None else "single_dim"
 
 
@@ -296,6 +298,12 @@ _FALLBACKS = [0]  # how many times a handler handed a call back to torch (explai
 def torch_dispatch(op_call: OpOverload, args: tuple, kwargs: dict) -> Any:
     """Run ``op_call`` through torch's own DTensor dispatch, bypassing our handler for it."""
     _FALLBACKS[0] += 1
+    return dispatch_past_handler(op_call, args, kwargs)
+
+
+def dispatch_past_handler(op_call: OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Run ``op_call`` through DTensor's sharding propagation, skipping our handler for it (our strategy or
+    single-dim rule for it, if any, still decides; not counted as a fallback to torch)."""
     disp = _dispatcher()
     ours = disp._custom_op_handlers.pop(op_call, None)
     old = _installed.get(op_call, {}).get("handler", _MISSING)
@@ -308,6 +316,19 @@ def torch_dispatch(op_call: OpOverload, args: tuple, kwargs: dict) -> Any:
             disp._custom_op_handlers[op_call] = ours
         elif old is not _MISSING:
             disp._custom_op_handlers.pop(op_call, None)
+
+
+def torch_strategy_dispatch(op_call: OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Run ``op_call`` under torch's own rules only: for a handler in front of one of our strategies that
+    sends the placements where torch's plan moves fewer bytes back to torch.
+
+    Every rule of ours is out for the call (:func:`torch_rules`), not just the one for ``op_call``:
+    where torch has no rule for an op it propagates through the op's decomposition, whose ops may be
+    ours (masked_fill.Tensor -> where). Costs two cache clears per call, so keep it to rare placements.
+    """
+    _FALLBACKS[0] += 1
+    with torch_rules():
+        return op_call(*args, **(kwargs or {}))
 
 
 # --------------------------------------------------------------------------------------------------
