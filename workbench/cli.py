@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
+import os
 import sys
 import time
 from pathlib import Path
@@ -219,10 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if hasattr(signal, "SIGPIPE"):  # `workbench ... | head` ends quietly, like other command-line tools
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `workbench ... | head` closed stdout early: end quietly, like other tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

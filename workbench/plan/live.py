@@ -165,5 +165,8 @@ def _main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from workbench.train.worker import exit_now
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _main()
+    exit_now(0)  # a gloo teardown race at interpreter exit can abort a finished rank

@@ -440,7 +440,8 @@ def check(family: str | None = None, names: list[str] | None = None, *, cap: int
             log = open(Path(tmp) / f"rank{r}.log", "w+")
             logs.append(log)
             cmd = [sys.executable, "-c", "import json,sys; from workbench.spmd.conformance import _worker; "
-                   "_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))",
+                   "_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])); "
+                   "from workbench.train.worker import exit_now; exit_now(0)",
                    str(r), str(WORLD), str(port), str(out), json.dumps(spec)]
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         bar = None

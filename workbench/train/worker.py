@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _exit_now(code: int) -> None:
-    """Exit without running C++ static destructors.
+def exit_now(code: int) -> None:
+    """Exit without running C++ static destructors (every gloo worker process should end this way).
 
     Every event has been written with an unbuffered os.write; what remains at interpreter exit is the
     destruction of gloo/c10d thread objects, which occasionally races and aborts a rank that finished
@@ -51,4 +51,4 @@ def _exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit_now(main())
+    exit_now(main())
