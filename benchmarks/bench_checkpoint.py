@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -47,28 +47,11 @@ from workbench.checkpoint import Checkpointer, TrainState, load, save  # noqa: E
 from workbench.checkpoint.store import file_digest  # noqa: E402
 from workbench.config import PRESETS  # noqa: E402
 from workbench.models import build_model  # noqa: E402
+from bench_train import _log, machine_info  # noqa: E402  (shared machine facts)
 
 warnings.filterwarnings("ignore", message=".*single process")
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                            "python": platform.python_version(), "torch": torch.__version__,
-                            "cuda": torch.cuda.is_available()}
-    if hasattr(os, "getloadavg"):
-        info["loadavg_1m_at_start"] = round(os.getloadavg()[0], 2)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return info
 
 
 def make_state(preset: str) -> TrainState:

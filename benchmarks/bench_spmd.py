@@ -23,27 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_train import _log, machine_info  # noqa: E402  (shared machine facts)
 
 BASELINE = "torch"
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__}
 
 
 def _ratio(ours: int, base: int) -> float | None:
