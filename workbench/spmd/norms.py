@@ -77,6 +77,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
+from workbench.spmd.reductions import contiguous_stride
 from workbench.spmd.registry import Case, case, handler, torch_dispatch
 
 aten = torch.ops.aten
@@ -133,18 +134,10 @@ def _layout(x: DTensor, adopt: tuple = ()) -> _Layout:
     return _Layout(x.device_mesh, tuple(pls), tuple(batch), tuple(channel), tuple(spatial))
 
 
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(list(shape)):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
-
-
 def _spec(mesh, placements, shape, dtype, stride=None) -> DTensorSpec:
     shape = torch.Size(shape)
     return DTensorSpec(mesh, tuple(placements),
-                       tensor_meta=TensorMeta(shape, tuple(stride or _contiguous_stride(shape)), dtype))
+                       tensor_meta=TensorMeta(shape, tuple(stride or contiguous_stride(shape)), dtype))
 
 
 def _wrap(local: torch.Tensor | None, mesh, placements, shape, stride=None):
