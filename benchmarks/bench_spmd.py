@@ -7,9 +7,13 @@
 For every conformance case in the registry (``workbench.spmd.registry.CASES``, so each rule family's cases
 are included as soon as they are registered) and every placement combination the conformance harness
 runs (the same deterministic plan: a 2-rank 1-D mesh and a 2x2 mesh), the forward and backward of the
-case run twice, in separate 4-process gloo runs: once with ``WORKBENCH_SPMD=0`` (torch's rules, the
-baseline) and once with our rules installed. Each run records the bytes its collectives moved
-(``workbench.spmd.comm.CommBytesMode``: bytes ONE rank sends under the ring algorithm of each collective).
+case run twice, in separate 4-process gloo runs (``workbench.spmd.check(rules=...)``): once under torch's
+own rules, the baseline (the ranks import workbench but never call ``workbench.spmd.install()``, and
+importing workbench changes nothing in DTensor), and once with ours (each rank calls
+``workbench.spmd.install()``). Every row records which rules its rank actually ran under
+(``workbench.spmd.installed()``), and the comparison refuses a run whose rows say otherwise. Each run
+records the bytes its collectives moved (``workbench.spmd.comm.CommBytesMode``: bytes ONE rank sends under
+the ring algorithm of each collective).
 
 Ratios are ours / torch. A combination counts in a ratio only when both runs completed and matched the
 dense result; those where torch's rules fail or give a wrong answer are counted separately
@@ -48,6 +52,11 @@ def compare(torch_rows: list[dict], our_rows: list[dict]) -> dict[str, Any]:
     base = {key(r): r for r in torch_rows}
     rows, cases, families = [], {}, {}
     total = {"ours_bytes": 0, "torch_bytes": 0, "combinations": 0, "torch_failed": 0, "ours_failed": 0}
+    for rules, run in ((BASELINE, torch_rows), ("ours", our_rows)):
+        wrong = [key(r) for r in run if r.get("rules") != rules]
+        if wrong:
+            raise RuntimeError(f"the {rules!r} run has {len(wrong)} row(s) measured under other rules, first "
+                               f"{wrong[0]}: its ranks did not run under {rules}'s rules")
     for r in our_rows:
         t = base.get(key(r))
         if t is None:
@@ -92,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke test: cap 3, 1-D mesh only")
     args = p.parse_args(argv)
 
+    import torch
+
     from workbench.spmd import conformance
 
     cap = args.cap if args.cap is not None else (3 if args.quick else conformance.DEFAULT_CAP)
@@ -125,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         "metric": "bytes sent per rank (ring algorithm per collective, workbench.spmd.comm), forward + backward, "
                   "summed over placement combinations; ratio = ours / torch",
         "baseline": BASELINE,
-        "baseline_note": "torch 2.13's own DTensor rules (WORKBENCH_SPMD=0), measured in the same run",
+        "baseline_note": f"torch {torch.__version__}'s own DTensor rules (ranks that never call "
+                         "workbench.spmd.install()), measured in the same run",
         "quick": args.quick,
         "cap": cap,
         "meshes": list(meshes),
@@ -133,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         "family": args.family,
         "wall_s": round(time.time() - t0, 1),
         "machine": machine_info(),
-        "runs": {k: {"combinations": len(v.rows), "passed": len(v.rows) - len(v.failures), "wall_s": v.wall_s}
+        "runs": {k: {"combinations": len(v.rows), "passed": len(v.rows) - len(v.failures), "wall_s": v.wall_s,
+                     "rules_installed": sorted({str(r.get("rules")) for r in v.rows})}
                  for k, v in runs.items()},
         "total": tot,
         "families": cmp["families"],

@@ -109,6 +109,8 @@ def test_bench_spmd_quick_prints_bytes_ratio_of_our_rules_to_torchs(repo):
     assert doc["benchmark"] == "bench_spmd" and doc["baseline"] == "torch"
     assert doc["quick"] is True and doc["meshes"] == ["1d"] and doc["family"] == "masked"
     assert set(doc["runs"]) == {"torch", "ours"}
+    # The baseline ranks ran under torch's own rules (they never install ours), the other run under ours.
+    assert doc["runs"]["torch"]["rules_installed"] == ["torch"] and doc["runs"]["ours"]["rules_installed"] == ["ours"]
     assert doc["runs"]["ours"]["passed"] == doc["runs"]["ours"]["combinations"] > 0
     rows = doc["rows"]
     assert rows and all(r["family"] == "masked" and r["mesh"] == "1d" for r in rows)

@@ -6,6 +6,7 @@ import pytest
 
 from test_checkpoint_tools import write_checkpoint  # tests/: checkpoints written per the key contract
 from workbench.checkpoint import inspect, read_tensor
+from workbench.units import format_bytes
 
 pytest.importorskip("ipywidgets")
 
@@ -31,7 +32,9 @@ def test_listing_is_grouped_by_module_and_filters(browser):
     values = [v for _, v in browser.listing.options]
     assert values[0] == "group:model" and values[1] == "model.tok_embeddings.weight"
     assert "group:model.layers.0" in values and labels[values.index("group:model.layers.0")].endswith("(9)")
-    assert "step 1" in browser.header.value and "model 4.20 MB" in browser.header.value
+    model_bytes = format_bytes(browser.manifest.summary()["bytes_by_kind"]["model"])
+    assert "step 1" in browser.header.value and f"model {model_bytes}" in browser.header.value
+    assert model_bytes.endswith(" MiB")
     browser.filter.value = "wo."
     keys = browser.visible_keys()
     assert keys and all("wo." in k for k in keys)

@@ -109,7 +109,7 @@ _TWO_RANK_WRITER = textwrap.dedent('''
         (out / "checkpoints" / "latest").write_text("step-000001")
     dist.barrier()
     dist.destroy_process_group()
-    from workbench.train.worker import exit_now
+    from workbench.lifeline import exit_now
     exit_now(0)  # a gloo teardown race at interpreter exit can abort a finished rank
 ''')
 

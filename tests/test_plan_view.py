@@ -17,7 +17,8 @@ import workbench
 from workbench.config import ParallelConfig
 from workbench.plan import ShardingPlan
 from workbench.widgets import ShardingPlanView
-from workbench.widgets.plan_view import ABSENT_COLOR, BLOCK_COLORS, LABEL_BLOCKS_MAX, _human_bytes
+from workbench.units import format_bytes
+from workbench.widgets.plan_view import ABSENT_COLOR, BLOCK_COLORS, LABEL_BLOCKS_MAX
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,7 @@ def test_2d_mesh_blocks_rank_selection_and_bytes(plans):
     # Byte totals of the selected rank, and one stacked bar per rank and category.
     rb = plan.rank_bytes()
     for cat in ("parameter", "gradient", "optimizer", "total"):
-        assert f"<td>{cat}</td><td style='text-align:right'>{_human_bytes(rb.loc[3, cat])}</td>" in view.rank_info.value
+        assert f"<td>{cat}</td><td style='text-align:right'>{format_bytes(rb.loc[3, cat])}</td>" in view.rank_info.value
     bars = {t.name: np.asarray(t.y) for t in view.bytes_fig.data}
     assert set(bars) == {"parameter", "gradient", "optimizer", "master"}
     for cat, y in bars.items():

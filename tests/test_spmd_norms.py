@@ -300,7 +300,9 @@ if __name__ == "__main__":
     # One import of torch + workbench, then fork the 4 ranks (no torchrun: 5 imports on 2 cores is slow).
     import torch.multiprocessing as mp
 
-    import workbench.spmd  # noqa: F401 - installs our rules before the fork
+    import workbench.spmd
+
+    workbench.spmd.install()  # before the fork, so every rank has our rules
 
     out_dir = sys.argv[1]
     mp.start_processes(_worker, args=(4, str(Path(out_dir, "init")), out_dir), nprocs=4, start_method="fork")
@@ -314,7 +316,7 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("spmd_norms")
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORKBENCH_SPMD="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, __file__, str(out)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)

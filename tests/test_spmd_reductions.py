@@ -68,6 +68,7 @@ def worker(out_path: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a mismatched collective fails
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
     meshes = {"1d": mesh2["inner"], "2d": mesh2}
+    spmd.install()  # import alone leaves DTensor as torch made it
     assert spmd.installed()
     # Cases of ops we have a rule for (amax & co. keep torch's rule), minus the mirror images (min of
     # max, dim -1 of dim 1): `workbench spmd check` runs every case; this file keeps to its time budget.
@@ -98,7 +99,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("spmd_red") / "results.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
            __file__, str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORKBENCH_SPMD="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
@@ -167,7 +168,7 @@ def test_minmax_gradient_stays_sharded_like_the_input(results):
 
 
 if __name__ == "__main__":
-    from workbench.train.worker import exit_now
+    from workbench.lifeline import exit_now
 
     worker(sys.argv[1])
     exit_now(0)  # a gloo teardown race at interpreter exit can abort a finished rank

@@ -7,27 +7,12 @@ Every command takes ``--json`` and then prints exactly one JSON document on stdo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-
-
-def _emit_json(doc: dict[str, Any]) -> None:
-    print(json.dumps(doc, indent=2, default=str))
-
-
-def _error(msg: str, as_json: bool, code: int = EXIT_USAGE, **extra: Any) -> int:
-    if as_json:
-        _emit_json({"status": "error", "error": msg, **extra})
-    else:
-        print(f"error: {msg}", file=sys.stderr)
-    return code
+from workbench.cli_output import EXIT_FAILED, EXIT_USAGE, emit_json, error
 
 
 # --------------------------------------------------------------------------------------------------
@@ -36,45 +21,13 @@ def _error(msg: str, as_json: bool, code: int = EXIT_USAGE, **extra: Any) -> int
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
+    from workbench.settings import add_arguments
+
     p = sub.add_parser("train", help="train a model on N local processes through torchrun",
                        description="Train a preset (or a Hugging Face config.json) with a parallel layout.")
     p.add_argument("model", help="preset (tiny, small, llama-7b, llama-70b) or path to a config.json")
     p.add_argument("--nproc", type=int, default=None, help="processes to start (default: product of the degrees)")
-    p.add_argument("--dp-replicate", type=int, default=1, help="replicated data-parallel degree (DDP / HSDP)")
-    p.add_argument("--dp-shard", type=int, default=-1, help="sharded data-parallel degree (FSDP2); -1 = the rest of nproc")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE models; taken from --dp-shard)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages over ranks, outermost)")
-    p.add_argument("--pp-schedule", choices=["GPipe", "1F1B", "Interleaved1F1B", "GPipeLean"], default="1F1B",
-                   help="pipeline schedule (GPipeLean: GPipe that frees outputs and buffers early)")
-    p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches per step (default: pp)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per step, whatever the layout")
-    p.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per forward (gradient accumulation)")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--data", choices=["synthetic", "text"], default="synthetic")
-    p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
-                   help="bf16 compute with fp32 master weights and optimizer state")
-    p.add_argument("--ac", choices=["none", "full", "selective"], default="none",
-                   help="activation checkpointing: every block (full) or every --ac-every-th (selective)")
-    p.add_argument("--ac-every", type=int, default=2, help="selective checkpointing: every K-th block")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=3,
-                   help="ZeRO stage of --dp-shard: 0 DDP, 1 +sharded optimizer, 2 FSDP2 no reshard, 3 FSDP2")
-    ck = p.add_argument_group("checkpoints")
-    ck.add_argument("--ckpt-every", type=int, default=0, metavar="N", help="save a checkpoint every N steps (0: never)")
-    ck.add_argument("--ckpt-async", action="store_true", help="write checkpoints in the background after a host copy")
-    ck.add_argument("--zero-stall", action="store_true",
-                    help="snapshot to host memory every step, persist every --ckpt-every steps")
-    ck.add_argument("--keep", type=int, default=None, metavar="K", help="keep the newest K checkpoints (default: all)")
-    ck.add_argument("--keep-every", type=int, default=0, metavar="N", help="also keep every N-th step forever")
-    ck.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default: RUN_DIR/checkpoints)")
-    ck.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH|latest",
-                    help="resume from a checkpoint (default: the newest complete one); any layout")
-    ck.add_argument("--ema", type=float, default=0.0, metavar="DECAY", help="keep and save an EMA of the weights")
+    add_arguments(p, ("parallel", "train"))
     p.add_argument("--out", default=None, help="run directory (default: ./runs/<time>)")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of progress")
@@ -82,27 +35,19 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from workbench.settings import from_args
     from workbench.train.launcher import build_job, launch
 
-    settings = dict(
-        nproc=args.nproc, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp,
-        sequence_parallel=args.sp, steps=args.steps, global_batch=args.global_batch,
-        micro_batch=args.micro_batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-        dtype=args.dtype, data=args.data, mixed_precision=args.mixed_precision,
-        activation_checkpointing=args.ac, ac_every=args.ac_every, zero=args.zero,
-        ep=args.ep, pp=args.pp, pp_schedule=args.pp_schedule, microbatches=args.microbatches,
-        ckpt_every=args.ckpt_every, ckpt_async=args.ckpt_async, zero_stall=args.zero_stall, keep=args.keep,
-        keep_every=args.keep_every, ckpt_dir=args.ckpt_dir, resume=args.resume, ema=args.ema,
-    )
+    settings = dict(nproc=args.nproc, parallel=from_args(args, "parallel"), train=from_args(args, "train"))
     try:
         build_job(args.model, **settings)  # validate before anything is created or started
     except ValueError as e:
-        return _error(str(e), args.json)
+        return error(str(e), args.json)
     out = args.out or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     try:
         run = launch(args.model, out=out, **settings)
     except ValueError as e:  # e.g. --resume: no complete checkpoint there, or it does not fit the model
-        return _error(str(e), args.json)
+        return error(str(e), args.json)
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     try:
         if args.json:
@@ -111,9 +56,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             _follow_with_progress(run, deadline)
     except KeyboardInterrupt:
         run.stop()
-        return _error("interrupted; all ranks were stopped", args.json, 130)
+        return error("interrupted; all ranks were stopped", args.json, 130)
     except TimeoutError as e:
-        return _error(str(e), args.json, EXIT_FAILED)
+        return error(str(e), args.json, EXIT_FAILED)
 
     summary = run.summary()
     err = run.error
@@ -122,7 +67,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary["losses"] = losses
         if err is not None:
             summary["error"] = {"rank": err.rank, "message": err.message, "traceback": err.traceback}
-        _emit_json(summary)
+        emit_json(summary)
     elif err is not None:
         if err.traceback:
             print(err.traceback.rstrip(), file=sys.stderr)
@@ -176,7 +121,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
     rows = {name: {**cfg.to_dict(), "n_params": cfg.n_params} for name, cfg in PRESETS.items()}
     if args.json:
-        _emit_json(rows)
+        emit_json(rows)
         return 0
     print(f"{'preset':<10} {'params':>10} {'dim':>6} {'layers':>6} {'heads':>5} {'kv':>4} {'ffn':>6} {'vocab':>6}")
     for name, r in rows.items():
@@ -193,19 +138,19 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if "--json" in sys.argv:
-            _emit_json({"status": "error", "error": message})
+            emit_json({"status": "error", "error": message})
         else:
             print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
 
 # Command groups that live next to the API they front: each module exposes ``add_parser(sub)``.
-_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.checkpoint.cli", "workbench.spmd.cli"]
+_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.checkpoint.cli", "workbench.spmd.cli", "workbench.doctor"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="workbench", description="Parallel Workbench: parallel training on PyTorch, inspectable.")
-    from workbench import __version__
+    from workbench.version import __version__
 
     parser.add_argument("--version", action="version", version=f"workbench {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workbench.schema import check as _check_settings
+from workbench.schema import setting
+
 __all__ = [
     "ModelConfig",
     "ParallelConfig",
@@ -195,6 +198,8 @@ def resolve_model(model: "str | Path | ModelConfig | dict") -> ModelConfig:
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "GPipeLean")
 PP_INTERLEAVED_STAGES_PER_RANK = 2  # virtual stages per pp rank under Interleaved1F1B
 ZERO_STAGES = (0, 1, 2, 3)
+# The device mesh's dimensions, outermost first: the order ranks are laid out in (ParallelConfig.rank_coords).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -204,29 +209,25 @@ class ParallelConfig(_JsonMixin):
     ``dp_shard=-1`` means "whatever is left": it is resolved against ``nproc`` by :meth:`resolved`.
     """
 
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = False
-    pp_schedule: str = "1F1B"
-    microbatches: int | None = None
-    # ZeRO stage of the dp_shard dimension: 0 = DDP, 1 = DDP + sharded optimizer state,
-    # 2 = FSDP2 keeping params gathered from forward to backward, 3 = FSDP2 resharding after forward.
-    zero: int = 3
+    settings_group = "parallel layout"  # the argparse group of these settings (not a field)
+
+    dp_replicate: int = setting(1, "replicated data-parallel degree (DDP / HSDP)", min=1)
+    dp_shard: int = setting(-1, "sharded data-parallel degree (FSDP2)", min=1,
+                            special={-1: "the rest of nproc"})
+    tp: int = setting(1, "tensor-parallel degree", min=1)
+    pp: int = setting(1, "pipeline-parallel degree (stages over ranks, outermost)", min=1)
+    ep: int = setting(1, "expert-parallel degree (MoE models; taken from dp_shard)", min=1)
+    sequence_parallel: bool = setting(False, "sequence parallel (needs tp > 1)", flag="--sp",
+                                      aliases=("--sequence-parallel",))
+    pp_schedule: str = setting("1F1B", "pipeline schedule (GPipeLean: GPipe that frees outputs and buffers "
+                               "early)", choices=PP_SCHEDULES)
+    microbatches: int | None = setting(None, "pipeline microbatches per step", min=1, none="pp")
+    zero: int = setting(3, "ZeRO stage of dp_shard: 0 DDP, 1 +sharded optimizer state, 2 FSDP2 keeping params "
+                        "gathered from forward to backward, 3 FSDP2 resharding after forward",
+                        choices=ZERO_STAGES, choose="a ZeRO stage in")
 
     def __post_init__(self) -> None:
-        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
-            raise ValueError(f"zero={self.zero!r} is unknown; choose a ZeRO stage in {list(ZERO_STAGES)}")
-        for name in ("dp_replicate", "tp", "pp", "ep"):
-            _positive_int(name, getattr(self, name))
-        if self.dp_shard != -1:
-            _positive_int("dp_shard", self.dp_shard)
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"pp_schedule={self.pp_schedule!r} is unknown; choose one of {list(PP_SCHEDULES)}")
-        if self.microbatches is not None:
-            _positive_int("microbatches", self.microbatches)
+        _check_settings(self)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1; set tp=2 or more, or turn sequence_parallel off")
 
@@ -275,6 +276,27 @@ class ParallelConfig(_JsonMixin):
         dims = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
         return {k: v for k, v in dims.items() if v > 1}
 
+    def rank_coords(self, rank: int) -> tuple[int, int, int, int]:
+        """Mesh coordinates ``(pp, dp_replicate, dp_shard, tp)`` of ``rank``: the one rank layout rule.
+
+        The mesh is row-major with pp outermost: ``rank = ((p * dp_replicate + r) * dp_shard + s) * tp + t``.
+        """
+        world = self.world_size
+        if not 0 <= rank < world:
+            raise ValueError(f"rank={rank} is outside the {world} ranks of {self.describe()}; "
+                             f"choose 0..{world - 1}")
+        rank, t = divmod(rank, self.tp)
+        rank, s = divmod(rank, self.dp_shard)
+        p, r = divmod(rank, self.dp_replicate)
+        return p, r, s, t
+
+    def all_rank_coords(self) -> Any:
+        """Every rank's :meth:`rank_coords` at once: an int64 array of shape ``(world_size, 4)``."""
+        import numpy as np
+
+        shape = tuple(getattr(self, d) for d in MESH_DIMS)
+        return np.stack(np.unravel_index(np.arange(self.world_size), shape), axis=1).astype(np.int64)
+
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.mesh_shape.items()]
         if self.ep > 1:  # not a mesh dimension of its own: it splits dp_shard
@@ -298,77 +320,56 @@ DATASETS = ("synthetic", "text")
 class TrainConfig(_JsonMixin):
     """How to train. ``global_batch`` is in sequences and does not depend on the layout."""
 
-    steps: int = 20
-    global_batch: int = 8
-    micro_batch: int | None = None  # sequences per data-parallel rank per forward; None = no accumulation
-    seq_len: int = 64
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    seed: int = 0
-    dtype: str = "float32"  # the parameter (master weight) dtype
-    data: str = "synthetic"
-    # "bf16": compute in bfloat16, keep fp32 master weights, gradients reduced and Adam state in fp32.
-    mixed_precision: str = "none"
-    # Recompute activations in backward: "full" = every transformer block, "selective" = every
-    # ac_every-th block.
-    activation_checkpointing: str = "none"
-    ac_every: int = 2
-    # Checkpoints (workbench.checkpoint): save every ckpt_every steps (0 = never) into ckpt_dir
-    # (None = RUN_DIR/checkpoints); ckpt_async writes in a background thread after a host copy;
-    # zero_stall snapshots to host memory every step and persists every ckpt_every steps. keep: the
-    # newest K checkpoints (None = all), plus every keep_every-th step. resume: "latest" or a path.
-    # ema: decay of an exponential moving average of the weights (0 = off).
-    ckpt_every: int = 0
-    ckpt_async: bool = False
-    zero_stall: bool = False
-    keep: int | None = None
-    keep_every: int = 0
-    ckpt_dir: str | None = None
-    resume: str | None = None
-    ema: float = 0.0
+    settings_group = "training"  # the argparse group of these settings (not a field)
+
+    steps: int = setting(20, "optimizer steps", min=1)
+    global_batch: int = setting(8, "sequences per step, whatever the layout", min=1)
+    micro_batch: int | None = setting(None, "sequences per data-parallel rank per forward (gradient accumulation)",
+                                      min=1, none="global_batch / dp, no accumulation")
+    seq_len: int = setting(64, "tokens per sequence", min=1)
+    lr: float = setting(3e-3, "peak learning rate (AdamW)", min=0, exclusive_min=True)
+    weight_decay: float = setting(0.1, "AdamW weight decay", min=0)
+    warmup_steps: int = setting(0, "linear learning-rate warm-up steps", min=0)
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this", min=0, off="0 turns clipping off",
+                               expect=">= 0")
+    seed: int = setting(0, "seed of the model initialisation and the data order")
+    dtype: str = setting("float32", "parameter (master weight) dtype", choices=DTYPES)
+    data: str = setting("synthetic", "training data", choices=DATASETS)
+    mixed_precision: str = setting("none", "bf16: compute in bfloat16, keep fp32 master weights, gradients reduced "
+                                   "and Adam state in fp32", choices=MIXED_PRECISION)
+    activation_checkpointing: str = setting("none", "recompute activations in backward: every block (full) or "
+                                            "every ac_every-th (selective)", choices=AC_MODES, flag="--ac",
+                                            aliases=("--activation-checkpointing",))
+    ac_every: int = setting(2, "selective checkpointing: every K-th block", min=1, metavar="K")
+    spmd_rules: bool = setting(True, "install workbench's DTensor sharding rules (workbench.spmd.install) in "
+                               "the job; off: torch's own rules")
+    # Checkpoints (workbench.checkpoint). keep: the newest K checkpoints (None = all), plus every
+    # keep_every-th step.
+    ckpt_every: int = setting(0, "save a checkpoint every N steps", min=0, off="0 turns it off",
+                              metavar="N", group="checkpoints")
+    ckpt_async: bool = setting(False, "write checkpoints in the background after a host copy", group="checkpoints")
+    zero_stall: bool = setting(False, "snapshot to host memory every step, persist every ckpt_every steps",
+                               group="checkpoints")
+    keep: int | None = setting(None, "keep the newest K checkpoints", min=1, none="all", metavar="K",
+                               group="checkpoints")
+    keep_every: int = setting(0, "also keep every N-th step forever", min=0, off="0 turns it off", metavar="N",
+                              group="checkpoints")
+    ckpt_dir: str | None = setting(None, "checkpoint directory", none="RUN_DIR/checkpoints", group="checkpoints")
+    resume: str | None = setting(None, "resume from a checkpoint: a path, or alone the newest complete one; any "
+                                 "layout", const="latest", metavar="PATH|latest", group="checkpoints")
+    ema: float = setting(0.0, "keep and save an exponential moving average of the weights with this decay",
+                         min=0, max=1, exclusive_max=True, expect="a decay in [0, 1), e.g. 0.999",
+                         off="0 turns it off", metavar="DECAY", group="checkpoints")
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch", "seq_len"):
-            _positive_int(name, getattr(self, name))
-        if self.micro_batch is not None:
-            _positive_int("micro_batch", self.micro_batch)
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr={self.lr!r} must be a positive finite number")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip={self.grad_clip} must be >= 0 (0 turns clipping off)")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is unknown; choose one of {list(DTYPES)}")
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(
-                f"mixed_precision={self.mixed_precision!r} is unknown; choose one of {list(MIXED_PRECISION)}"
-            )
+        _check_settings(self)
         if self.mixed_precision == "bf16" and self.dtype != "float32":
             raise ValueError(
                 f"mixed_precision='bf16' keeps float32 master weights, but dtype={self.dtype!r}; "
                 "set dtype='float32' (or mixed_precision='none' for pure bfloat16 training)"
             )
-        if self.activation_checkpointing not in AC_MODES:
-            raise ValueError(
-                f"activation_checkpointing={self.activation_checkpointing!r} is unknown; "
-                f"choose one of {list(AC_MODES)}"
-            )
-        _positive_int("ac_every", self.ac_every)
-        if self.data not in DATASETS:
-            raise ValueError(f"data={self.data!r} is unknown; choose one of {list(DATASETS)}")
-        for name in ("ckpt_every", "keep_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name}={v!r} must be an integer >= 0 (0 turns it off)")
-        if self.keep is not None:
-            _positive_int("keep", self.keep)
         if (self.ckpt_async or self.zero_stall) and not self.ckpt_every:
             raise ValueError("ckpt_async/zero_stall need periodic checkpoints; set ckpt_every N (e.g. --ckpt-every 100)")
-        if not (isinstance(self.ema, (int, float)) and 0.0 <= self.ema < 1.0):
-            raise ValueError(f"ema={self.ema!r} must be a decay in [0, 1), e.g. 0.999 (0 turns it off)")
 
     def grad_accum(self, dp: int) -> int:
         micro = self.micro_batch or self.global_batch // dp
@@ -475,6 +476,10 @@ def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig | 
         if size % tp:
             raise ValueError(f"tp={tp} does not divide {name}={size}; choose tp in {_divisors(common)}")
     _validate_pp(model, parallel, train)
+    if parallel.pp > 1 and parallel.pp_schedule == "GPipeLean":
+        from workbench import compat
+
+        compat.require("pipeline.lean_schedule", "pp_schedule='GPipeLean'", "choose pp_schedule='GPipe'")
     _validate_moe(model, parallel)
     _validate_zero(parallel)
     if train is None:

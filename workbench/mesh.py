@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from workbench.config import ParallelConfig
+from workbench.config import MESH_DIMS, ParallelConfig
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def build_mesh(parallel: ParallelConfig, device_type: str = "cpu") -> DeviceMesh:
@@ -22,7 +21,7 @@ def build_mesh(parallel: ParallelConfig, device_type: str = "cpu") -> DeviceMesh
         raise ValueError(
             f"the process group has {world} ranks but the layout {parallel.describe()} needs {parallel.world_size}"
         )
-    shape = (parallel.pp, parallel.dp_replicate, parallel.dp_shard, parallel.tp)
+    shape = tuple(getattr(parallel, d) for d in MESH_DIMS)
     return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
 
 
@@ -31,9 +30,10 @@ def dp_rank(parallel: ParallelConfig, rank: int) -> int:
 
     The pipeline stages and tp ranks of one data-parallel replica read the same slice.
     """
-    return (rank // parallel.tp) % parallel.dp
+    _, r, s, _ = parallel.rank_coords(rank)
+    return r * parallel.dp_shard + s
 
 
 def pp_rank(parallel: ParallelConfig, rank: int) -> int:
     """Index of ``rank``'s pipeline stage group (``pp`` is the outermost mesh dimension)."""
-    return rank // (parallel.dp * parallel.tp)
+    return parallel.rank_coords(rank)[0]

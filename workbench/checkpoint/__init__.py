@@ -41,8 +41,9 @@ from workbench.checkpoint.saver import EMA, Checkpointer, CheckpointError, save
 from workbench.checkpoint.load import LoadResult, check_model_fits, checkpoint_shapes, load, read_metadata
 from workbench.checkpoint.safeload import CheckpointFormatError
 from workbench.checkpoint.manifest import CheckpointManifest
-from workbench.checkpoint.inspect import inspect
+from workbench.checkpoint.contents import inspect
 from workbench.checkpoint.verify import VerifyReport, verify
 from workbench.checkpoint.diff import CheckpointDiff, diff
 from workbench.checkpoint.formats import ExportResult, export, iter_tensors, load_into, read_tensor
+from workbench.checkpoint.stats import tensor_stats
 from workbench.checkpoint.plan_load import LoadPlan, plan_load

@@ -17,7 +17,8 @@ import os
 import sys
 from typing import Callable
 
-from workbench.cli import EXIT_FAILED, EXIT_USAGE, _emit_json, _error
+from workbench.cli_output import EXIT_FAILED, EXIT_USAGE, emit_json, error
+from workbench.units import format_bytes
 
 __all__ = ["add_parser"]
 
@@ -33,17 +34,17 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
         try:
             return fn(args)
         except CheckpointFormatError as e:
-            return _error(str(e), args.json, EXIT_FAILED)
+            return error(str(e), args.json, EXIT_FAILED)
         except (ValueError, KeyError, FileExistsError) as e:
             msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-            return _error(str(msg), args.json, EXIT_USAGE)
+            return error(str(msg), args.json, EXIT_USAGE)
         except KeyboardInterrupt:
-            return _error("interrupted", args.json, 130)
+            return error("interrupted", args.json, 130)
         except (Exception, CheckpointException) as e:  # a bug or an unforeseen file: one line, traceback on request
             if os.environ.get("WORKBENCH_DEBUG"):
                 raise
             first = (str(e).strip().splitlines() or [""])[0][:200]
-            return _error(f"{type(e).__name__}: {first}; set WORKBENCH_DEBUG=1 for the traceback", args.json,
+            return error(f"{type(e).__name__}: {first}; set WORKBENCH_DEBUG=1 for the traceback", args.json,
                           EXIT_FAILED)
 
     return run
@@ -54,16 +55,10 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.json and sys.stderr.isatty()
 
 
-def _human(n: float) -> str:
-    from workbench.checkpoint.manifest import human_bytes
-
-    return human_bytes(n)
-
-
 # --------------------------------------------------------------------------------------------------
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from workbench.checkpoint.inspect import inspect
+    from workbench.checkpoint.contents import inspect
 
     m = inspect(args.path)
     frame = m.frame
@@ -78,13 +73,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if not args.shards:
             for r in doc["tensors"]:
                 r["n_shards"] = len(r.pop("shards"))
-        _emit_json({"status": "ok", **doc})
+        emit_json({"status": "ok", **doc})
         return 0
     s = m.summary()
     print(f"{s['path']}  ({s['format']})")
     print(f"step {s['step']}  layout {s['layout_description'] or '-'}  ranks {s['world_size'] or '-'}  "
-          f"{s['n_tensors']} tensors  {_human(s['total_bytes'])}  files {s['n_files']}")
-    print("  " + "  ".join(f"{k} {_human(b)}" for k, b in s["bytes_by_kind"].items()))
+          f"{s['n_tensors']} tensors  {format_bytes(s['total_bytes'])}  files {s['n_files']}")
+    print("  " + "  ".join(f"{k} {format_bytes(b)}" for k, b in s["bytes_by_kind"].items()))
     print()
     rows = frame if args.all else frame.head(args.limit)
     width = max([len(k) for k in rows["key"]] + [3])
@@ -104,7 +99,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     report = verify(args.path, deep=args.deep, progress=_progress(args))
     if args.json:
-        _emit_json({"status": "ok" if report.ok else "error", **report.to_dict()})
+        emit_json({"status": "ok" if report.ok else "error", **report.to_dict()})
     else:
         for p in report.problems:
             print(f"error: {p}", file=sys.stderr)
@@ -122,7 +117,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     kinds = args.kind.split(",") if args.kind else None
     d = diff(args.a, args.b, values=not args.no_values, kinds=kinds, progress=_progress(args))
     if args.json:
-        _emit_json({"status": "ok", **d.to_dict(top=args.top)})
+        emit_json({"status": "ok", **d.to_dict(top=args.top)})
         return 0
     print(f"{d.a} -> {d.b}")
     n_diff = int((~d.values["equal"]).sum()) if len(d.values) else 0
@@ -151,9 +146,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     result = export(args.src, args.dst, to=args.to, include=include, max_shard_size=args.max_shard_size,
                     names=args.names, overwrite=args.force, progress=_progress(args))
     if args.json:
-        _emit_json({"status": "ok", **result.to_dict()})
+        emit_json({"status": "ok", **result.to_dict()})
     else:
-        kinds = ", ".join(f"{k} {_human(b)}" for k, b in result.by_kind.items())
+        kinds = ", ".join(f"{k} {format_bytes(b)}" for k, b in result.by_kind.items())
         print(f"wrote {result.tensors} tensors ({kinds}) to {result.dst} as {result.to}: "
               f"{', '.join(result.files[:5])}{' ...' if len(result.files) > 5 else ''}")
     return 0
@@ -161,23 +156,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_plan_load(args: argparse.Namespace) -> int:
     from workbench.checkpoint.plan_load import plan_load
-    from workbench.config import ParallelConfig
+    from workbench.settings import from_args, parse_layout
 
-    if args.to:
-        from workbench.checkpoint.plan_load import parse_layout
-
-        target = parse_layout(args.to)
-    else:
-        target = ParallelConfig(dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp, pp=args.pp,
-                                ep=args.ep, sequence_parallel=args.sp, pp_schedule=args.pp_schedule,
-                                microbatches=args.microbatches, zero=args.zero)
+    target = parse_layout(args.to) if args.to else from_args(args, "parallel")
     plan = plan_load(args.src, target, model=args.model, full_state=not args.weights_only)
     if args.json:
-        _emit_json({"status": "ok" if plan.loadable else "error", **plan.to_dict()})
+        emit_json({"status": "ok" if plan.loadable else "error", **plan.to_dict()})
     else:
         verdict = "loadable" if plan.loadable else "NOT loadable"
         print(f"{verdict}: {plan.src} ({plan.source_layout}) -> {plan.model} on {plan.target_description} "
-              f"({plan.world_size} ranks); {plan.checked} keys checked, {_human(plan.bytes_to_read)} to read")
+              f"({plan.world_size} ranks); {plan.checked} keys checked, {format_bytes(plan.bytes_to_read)} to read")
         for r in plan.reasons():
             print(f"error: {r}", file=sys.stderr)
         for n in plan.notes:
@@ -230,18 +218,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="weight names: this model's FQNs, or Hugging Face Llama names (q/k permuted for RoPE)")
     c.add_argument("--force", action="store_true", help="replace DST if it exists")
 
+    from workbench.settings import add_arguments
+
     c = add("plan-load", cmd_plan_load, "dry run: will this checkpoint load into that layout? (exit 1 if not)")
     c.add_argument("src")
     c.add_argument("--model", default=None, help="preset or config.json (default: the one the checkpoint records)")
     c.add_argument("--to", default=None, metavar="LAYOUT",
-                   help="the target layout as text, e.g. 'dp_shard=2,tp=2' (instead of the degree flags)")
-    c.add_argument("--dp-replicate", type=int, default=1)
-    c.add_argument("--dp-shard", type=int, default=1)
-    c.add_argument("--tp", type=int, default=1)
-    c.add_argument("--pp", type=int, default=1)
-    c.add_argument("--ep", type=int, default=1)
-    c.add_argument("--sp", action="store_true")
-    c.add_argument("--pp-schedule", choices=["GPipe", "1F1B", "Interleaved1F1B", "GPipeLean"], default="1F1B")
-    c.add_argument("--microbatches", type=int, default=None)
-    c.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=3)
+                   help="the target layout as text, e.g. 'dp_shard=2,tp=2,sp' (instead of the layout flags)")
+    add_arguments(c, "parallel")
     c.add_argument("--weights-only", action="store_true", help="do not require optimizer state (not a resume)")

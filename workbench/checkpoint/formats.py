@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from workbench.checkpoint.inspect import inspect
+from workbench.checkpoint.contents import inspect
 from workbench.checkpoint.manifest import CheckpointManifest
 from workbench.checkpoint.safeload import SAFETENSORS_DTYPES, CheckpointFormatError, read_torch_file
 

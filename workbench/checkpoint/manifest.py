@@ -33,11 +33,13 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["CheckpointManifest", "KINDS", "classify", "human_bytes"]
+from workbench.display import RendersInNotebook
+from workbench.kinds import CHECKPOINT_KINDS, PREFIX_KIND
+from workbench.units import format_bytes
 
-KINDS = ("model", "optimizer", "master", "rng", "extra")
-_PREFIX_KIND = {"model": "model", "optim": "optimizer", "optimizer": "optimizer", "master": "master",
-                "rng": "rng", "ema": "extra", "sched": "extra", "extra": "extra"}
+__all__ = ["CheckpointManifest", "KINDS", "classify"]
+
+KINDS = CHECKPOINT_KINDS  # see workbench.kinds
 _OPTIM_WORDS = re.compile(r"(^|[._])(optim|optimizer|exp_avg|exp_avg_sq|momentum_buffer|param_groups)([._]|$)")
 _RNG_WORDS = re.compile(r"(^|[._])(rng|rng_state|generator|random)([._]|$)")
 _MASTER_WORDS = re.compile(r"(^|[._])(master|master_weights|fp32_params)([._]|$)")
@@ -47,8 +49,8 @@ _SCHED_WORDS = re.compile(r"(^|[._])(lr_scheduler|scheduler|sched)([._]|$)")
 def classify(key: str, is_tensor: bool = True) -> str:
     """The kind of a flattened state-dict key (see the module docstring for the rules)."""
     first = key.split(".", 1)[0]
-    if first in _PREFIX_KIND:
-        return _PREFIX_KIND[first]
+    if first in PREFIX_KIND:
+        return PREFIX_KIND[first]
     low = key.lower()
     if _OPTIM_WORDS.search(low):
         return "optimizer"
@@ -61,15 +63,8 @@ def classify(key: str, is_tensor: bool = True) -> str:
     return "model" if is_tensor else "extra"
 
 
-def human_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 @dataclass
-class CheckpointManifest:
+class CheckpointManifest(RendersInNotebook):
     """What a checkpoint holds. Build one with :func:`workbench.checkpoint.inspect`.
 
     ``frame`` has the columns ``key, dtype, shape, bytes, kind, shards`` (see the module docstring).
@@ -184,32 +179,24 @@ class CheckpointManifest:
     # ---- notebook --------------------------------------------------------------------------------
     def _repr_html_(self) -> str:
         s = self.summary()
-        kinds = "".join(f"<tr><td>{k}</td><td style='text-align:right'>{human_bytes(b)}</td></tr>"
+        kinds = "".join(f"<tr><td>{k}</td><td style='text-align:right'>{format_bytes(b)}</td></tr>"
                         for k, b in s["bytes_by_kind"].items())
         head = (f"<b>CheckpointManifest</b> <code>{html.escape(s['path'])}</code> ({s['format']})<br>"
-                f"step {s['step']} &middot; {s['n_tensors']} tensors &middot; {human_bytes(s['total_bytes'])}"
+                f"step {s['step']} &middot; {s['n_tensors']} tensors &middot; {format_bytes(s['total_bytes'])}"
                 + (f" &middot; layout {html.escape(s['layout_description'])}" if s["layout_description"] else "")
                 + (f" &middot; {s['world_size']} ranks" if s["world_size"] else ""))
         table = self.frame[["key", "dtype", "shape", "bytes", "kind"]].head(40).to_html(index=False)
         more = f"<i>... {len(self.frame) - 40} more rows (to_frame())</i>" if len(self.frame) > 40 else ""
         return f"<div>{head}<table>{kinds}</table>{table}{more}</div>"
 
-    def _ipython_display_(self) -> None:
-        """In a notebook a manifest shows as the interactive CheckpointBrowser (HTML if widgets are missing)."""
-        from IPython.display import HTML, display
-
-        try:
-            from workbench.widgets.checkpoint_browser import CheckpointBrowser  # the view, imported lazily
-        except ImportError:
-            display(HTML(self._repr_html_()))
-            return
-        display(CheckpointBrowser(self))
+    # In a notebook a manifest shows as its registered view (workbench.widgets' CheckpointBrowser), or
+    # as _repr_html_ where ipywidgets are missing: RendersInNotebook._ipython_display_, workbench.display.
 
     def __repr__(self) -> str:
         s = self.summary()
         return (f"CheckpointManifest({str(self.path)!r}, format={self.format!r}, step={s['step']}, "
-                f"tensors={s['n_tensors']}, bytes={human_bytes(s['total_bytes'])}, by_kind="
-                + "{" + ", ".join(f"{k}: {human_bytes(b)}" for k, b in s["bytes_by_kind"].items()) + "})")
+                f"tensors={s['n_tensors']}, bytes={format_bytes(s['total_bytes'])}, by_kind="
+                + "{" + ", ".join(f"{k}: {format_bytes(b)}" for k, b in s["bytes_by_kind"].items()) + "})")
 
 
 def _numel(shape) -> int:

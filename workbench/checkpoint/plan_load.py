@@ -25,43 +25,14 @@ from typing import Any
 
 import torch
 
-from workbench.checkpoint.inspect import inspect
+from workbench.checkpoint.contents import inspect
 from workbench.checkpoint.manifest import CheckpointManifest
 from workbench.config import ModelConfig, ParallelConfig, resolve_model, validate
+from workbench.settings import parse_layout, split_settings
 
 __all__ = ["plan_load", "LoadPlan", "parse_layout"]
 
 _RNG = re.compile(r"^rng\.rank(\d+)\.")
-
-
-def parse_layout(text: str) -> ParallelConfig:
-    """``"dp_shard=2,tp=2"`` or ``"--dp-shard 2 --tp 2"`` -> ParallelConfig (dp_shard defaults to 1)."""
-    tokens = re.split(r"[\s,]+", text.strip())
-    values: dict[str, Any] = {}
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i].lstrip("-").replace("-", "_")
-        if not tok:
-            i += 1
-            continue
-        if "=" in tok:
-            name, val = tok.split("=", 1)
-        else:
-            name, val = tok, tokens[i + 1] if i + 1 < len(tokens) else ""
-            i += 1
-        i += 1
-        name = {"sp": "sequence_parallel"}.get(name, name)
-        if name == "sequence_parallel":
-            values[name] = val.lower() in ("1", "true", "yes", "") if val else True
-        elif name == "pp_schedule":
-            values[name] = val
-        else:
-            try:
-                values[name] = int(val)
-            except ValueError:
-                raise ValueError(f"layout {text!r}: {name}={val!r} is not an integer; write e.g. 'dp_shard=2,tp=2'") from None
-    values.setdefault("dp_shard", 1)
-    return ParallelConfig.from_dict(values)
 
 
 @dataclass
@@ -124,9 +95,12 @@ class LoadPlan:
 
 
 def _target_keys(cfg: ModelConfig, full_state: bool, dtype: torch.dtype) -> dict[str, tuple[tuple, str]]:
-    from workbench.models import build_model
+    from workbench.config import TrainConfig
+    from workbench.parallel.build import build_stages
 
-    model = build_model(cfg, seed=None, device="meta")  # shapes only: nothing is allocated
+    # The trainer's build on the meta device (shapes only, nothing allocated). Checkpoint keys and
+    # global shapes do not depend on the layout, so the one-process build names them all.
+    model = build_stages(cfg, ParallelConfig(dp_shard=1), TrainConfig(), None, "meta").model
     keys: dict[str, tuple[tuple, str]] = {}
     for fqn, t in model.state_dict().items():
         keys[f"model.{fqn}"] = (tuple(t.shape), str(dtype).removeprefix("torch."))
@@ -139,12 +113,14 @@ def _target_keys(cfg: ModelConfig, full_state: bool, dtype: torch.dtype) -> dict
 
 
 def plan_load(src, to: "ParallelConfig | dict | str | None" = None, model: "str | ModelConfig | None" = None,
-              *, nproc: int | None = None, full_state: bool = True, dtype: str | None = None) -> LoadPlan:
+              *, nproc: int | None = None, full_state: bool = True, dtype: str | None = None,
+              **layout: Any) -> LoadPlan:
     """Dry run: would ``src`` load into ``model`` parallelized as ``to``? Reads metadata only.
 
     ``to``: a ParallelConfig, a dict of its fields, or text like ``"dp_shard=2,tp=2"`` (default: the
-    checkpoint's own layout). ``model``: a preset, config path or ModelConfig (default: the checkpoint's
-    job config). ``full_state``: also require the optimizer state (a resume); False = weights only.
+    checkpoint's own layout); ``layout`` shortcuts (``tp=2``) apply over it. ``model``: a preset, config
+    path or ModelConfig (default: the checkpoint's job config). ``full_state``: also require the
+    optimizer state (a resume); False = weights only.
     """
     m = src if isinstance(src, CheckpointManifest) else inspect(src)
     job = m.info.get("job") or {}
@@ -163,6 +139,8 @@ def plan_load(src, to: "ParallelConfig | dict | str | None" = None, model: "str 
         to = parse_layout(to)
     elif isinstance(to, dict):
         to = ParallelConfig.from_dict(to)
+    if layout:
+        to = dataclasses.replace(to, **split_settings(layout, ("parallel",), what="layout setting")["parallel"])
     layout_error = None
     try:
         to = to.resolved(nproc)

@@ -60,7 +60,7 @@ class EMA:
         self.decay = decay
         self.params: list[tuple[str, torch.Tensor]] = []
         self.shadow: dict[str, torch.Tensor] = {}
-        from torch.distributed.checkpoint.state_dict import _get_fqns
+        from workbench.compat import get_fqns as _get_fqns
 
         for name, p in view.named_parameters():
             fqn = next(iter(_get_fqns(view, name)))  # strips DDP / activation-checkpoint prefixes

@@ -162,6 +162,22 @@ class CheckpointStore:
                 return self.path(step)
         return None
 
+    def newest_any(self) -> Path | None:
+        """What the inspection tools open: the step ``latest`` names (complete or not), else the newest
+        step directory with a ``.metadata``, complete ones (with a manifest) first."""
+        name = self.latest_pointer()
+        if name:
+            target = self.root / name
+            if not target.is_dir():
+                from workbench.checkpoint.safeload import CheckpointFormatError  # a ValueError too
+
+                raise CheckpointFormatError(self.root / LATEST, f"points at {name!r}, which does not exist",
+                                            "pass one of the step-* directories next to it")
+            return target
+        steps = [self.path(s) for s in self.steps() if (self.path(s) / ".metadata").exists()]
+        complete = [d for d in steps if (d / MANIFEST).exists()]
+        return (complete or steps or [None])[-1]
+
     # -- writing (rank 0) ----------------------------------------------------------------------
     def clean_stale(self, keep_tmp: str | None = None) -> list[str]:
         """Remove ``.tmp-*`` directories and ``latest.tmp-*`` files left by interrupted saves."""
@@ -219,10 +235,15 @@ class CheckpointStore:
 
 
 def resolve_checkpoint(spec: str | Path, default_root: str | Path | None = None,
-                       verify_checksums: bool = True) -> Path:
-    """A checkpoint directory from ``"latest"``, a step dir, a ``checkpoints/`` dir, or a run dir.
+                       verify_checksums: bool = True, *, complete: bool = True) -> Path:
+    """A checkpoint directory from ``"latest"``, a step dir, a ``checkpoints/`` dir, its ``latest`` file,
+    or a run dir. The one walk from what a user names to a step directory; every tool uses it.
 
-    Raises one-line ValueErrors: nothing there, or the named checkpoint is incomplete.
+    ``complete=True`` (resume, load): only a complete checkpoint is returned, the one ``latest`` names if it
+    is complete, else the newest complete step (sizes, and sha256 if ``verify_checksums``).
+    ``complete=False`` (inspect, verify, diff: they must show a damaged checkpoint, not skip it): the step
+    ``latest`` names, else the newest step directory holding a ``.metadata``, complete ones first.
+    Raises one-line ValueErrors: nothing there, or (complete=True) the named checkpoint is incomplete.
     """
     spec = str(spec)
     if spec == "latest":
@@ -237,16 +258,18 @@ def resolve_checkpoint(spec: str | Path, default_root: str | Path | None = None,
         raise ValueError(f"{root} is a file, not a checkpoint; pass a run directory, its checkpoints/ "
                          "directory, a step-NNNNNN directory or its latest file")
     if (root / MANIFEST).exists() or (root / ".metadata").exists():  # a checkpoint directory itself
-        ok, why = is_complete(root, verify_checksums)
-        if not ok:
-            raise ValueError(f"cannot resume from {root}: {why}; pick another step directory")
+        if complete:
+            ok, why = is_complete(root, verify_checksums)
+            if not ok:
+                raise ValueError(f"cannot resume from {root}: {why}; pick another step directory")
         return root
     for cand in (root, root / "checkpoints"):
         store = CheckpointStore(cand)
-        if store.latest_pointer() or store.steps():
-            found = store.latest(verify_checksums)
-            if found is not None:
-                return found
-            raise ValueError(f"no complete checkpoint in {cand}; every step directory there is incomplete")
+        if not (store.latest_pointer() or store.steps()):
+            continue
+        found = store.latest(verify_checksums) if complete else store.newest_any()
+        if found is not None:
+            return found
+        raise ValueError(f"no complete checkpoint in {cand}; every step directory there is incomplete")
     raise ValueError(f"no checkpoint found at {root}; pass a run directory, its checkpoints/ directory, "
                      "or a step-NNNNNN directory")

@@ -28,7 +28,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from workbench.checkpoint.inspect import _DISTCP, inspect, resolve_checkpoint
+from workbench.checkpoint.contents import _DISTCP, identify, inspect
 from workbench.checkpoint.manifest import CheckpointManifest
 from workbench.checkpoint.safeload import CheckpointFormatError
 
@@ -199,7 +199,7 @@ def verify(path: "str | os.PathLike | CheckpointManifest", *, deep: bool = False
         path = path.path
     report = VerifyReport(path=str(path), format=None)
     try:
-        fmt, root = resolve_checkpoint(path)
+        fmt, root = identify(path)
         report.path, report.format = str(root), fmt
         m = inspect(root)
     except CheckpointFormatError as e:

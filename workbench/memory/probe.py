@@ -18,16 +18,14 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
-__all__ = ["PeakMemoryProbe", "resize_storage_", "active_probe"]
+from workbench.compat import TorchDispatchMode, is_traceable_wrapper_subclass, pytree
 
-_ACTIVE: "PeakMemoryProbe | None" = None
+tree_flatten = pytree.tree_flatten
 
+__all__ = ["PeakMemoryProbe", "resize_storage_"]
 
-def active_probe() -> "PeakMemoryProbe | None":
-    return _ACTIVE
+_ACTIVE: "PeakMemoryProbe | None" = None  # the probe resize_storage_ reports to, while one runs
 
 
 def _local_tensors(t):

@@ -10,6 +10,7 @@ infers the local head count from the tensor (``view(b, s, -1, head_dim)``)::
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -122,17 +123,15 @@ class Transformer(nn.Module):
 
     def init_weights(self, seed: int) -> None:
         """Deterministic init from ``seed`` alone, so every layout starts from identical weights."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        std = 0.02
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)  # scaled residual projections (GPT-2 style)
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                    continue
-                s = out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+                p.copy_(initial_value(self.cfg, name, tuple(p.shape), seed))
+            self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Recompute the rotary tables (not saved in checkpoints; uninitialised after ``to_empty``)."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        with torch.no_grad():
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
@@ -147,6 +146,30 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+
+def _param_seed(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The whole float32 initial value of parameter ``name`` (its name in the unparallelized model).
+
+    A function of ``(seed, name)`` alone: each parameter draws from its own generator, so a rank that
+    holds a few parameters, or a shard of one, computes its part without the rest of the model::
+
+        norms          1
+        wo, w2         N(0, (0.02 / sqrt(2 n_layers))^2)      scaled residual projections (GPT-2)
+        everything     N(0, 0.02^2)
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = 0.02
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
+        std = std / math.sqrt(2 * cfg.n_layers)
+    gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
+    return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std)
 
 
 def build_model(cfg: ModelConfig, *, seed: int | None = 0, device: str | torch.device = "cpu") -> Transformer:

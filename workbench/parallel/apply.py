@@ -27,7 +27,19 @@ from workbench.parallel.tensor import apply_tp
 
 def parallelize(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh | None,
                 train: TrainConfig | None = None) -> nn.Module:
-    """Apply ``parallel`` to ``model`` (in place where possible) and return the module to train."""
+    """Apply ``parallel`` to ``model`` (in place where possible) and return the module to train.
+
+    :func:`shard` then, where the layout replicates with DDP, :func:`apply_ddp`. DDP reads real
+    weights, so ``workbench.parallel.build`` calls the two halves around materialization instead.
+    """
+    model = shard(model, parallel, mesh, train)
+    dim = ddp_dim(parallel) if mesh is not None else None
+    return apply_ddp(model, mesh[dim]) if dim else model
+
+
+def shard(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh | None,
+          train: TrainConfig | None = None) -> nn.Module:
+    """Every technique but DDP: TP, activation checkpointing, EP, FSDP2. Works on meta modules."""
     train = train or TrainConfig()
     if mesh is None or parallel.world_size == 1:
         return apply_ac(model, train.activation_checkpointing, train.ac_every)
@@ -38,23 +50,38 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh | N
         ep_mesh, expert_dp_mesh = expert_meshes(mesh, parallel)
         apply_ep(model, ep_mesh, expert_dp_mesh, reshard_after_forward=parallel.zero != 2,
                  mp_policy=fsdp_mp_policy(train.mixed_precision))
-    if parallel.dp_shard > 1 and parallel.zero <= 1:
-        return apply_ddp(model, mesh["dp_shard"])
-    if parallel.dp_shard > 1 or (parallel.dp_replicate > 1 and parallel.tp > 1):
+    if ddp_dim(parallel) is None and (parallel.dp_shard > 1 or (parallel.dp_replicate > 1 and parallel.tp > 1)):
         dims = ("dp_replicate", "dp_shard") if parallel.dp_replicate > 1 else ("dp_shard",)
-        dp_mesh = mesh[dims]
-        return apply_fsdp(model, dp_mesh, reshard_after_forward=parallel.zero != 2,
+        return apply_fsdp(model, mesh[dims], reshard_after_forward=parallel.zero != 2,
                           mp_policy=fsdp_mp_policy(train.mixed_precision))
-    if parallel.dp_replicate > 1:
-        return apply_ddp(model, mesh["dp_replicate"])
     return model
 
 
+def ddp_dim(parallel: ParallelConfig) -> str | None:
+    """The mesh dimension DDP replicates over in this layout, or None where it uses no DDP."""
+    if parallel.world_size == 1:
+        return None
+    if parallel.dp_shard > 1:
+        return "dp_shard" if parallel.zero <= 1 else None
+    if parallel.dp_replicate > 1 and parallel.tp == 1:
+        return "dp_replicate"
+    return None
+
+
+def adamw_settings(train: TrainConfig) -> dict:
+    """The AdamW hyperparameters of every run and plan."""
+    return {"lr": train.lr, "weight_decay": train.weight_decay, "betas": (0.9, 0.95), "foreach": False}
+
+
 def build_optimizer(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh | None,
-                    **adamw_kwargs) -> torch.optim.Optimizer:
-    """AdamW over the model's (fp32 master) parameters; its state sharded over dp_shard under zero=1."""
+                    train: TrainConfig | None = None, **adamw_kwargs) -> torch.optim.Optimizer:
+    """AdamW over the model's (fp32 master) parameters; its state sharded over dp_shard under zero=1.
+
+    ``train`` gives the run's settings (:func:`adamw_settings`); keyword arguments override them.
+    """
+    if train is not None:
+        adamw_kwargs = {**adamw_settings(train), **adamw_kwargs}
     params = list(model.parameters())
     if mesh is not None and parallel.zero == 1 and parallel.dp_shard > 1:
         return zero1_optimizer(params, mesh["dp_shard"], **adamw_kwargs)
     return torch.optim.AdamW(params, **adamw_kwargs)
-

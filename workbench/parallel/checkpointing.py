@@ -19,7 +19,8 @@ equal with and without checkpointing. The wrapper's ``state_dict`` hides its
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+from workbench.compat import CheckpointImpl, checkpoint_wrapper
 
 
 def checkpointed_blocks(n_layers: int, mode: str, every: int = 2) -> list[int]:

@@ -16,12 +16,18 @@ ZeRO stages of the dp_shard dimension (``ParallelConfig.zero``) map onto these e
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
+
+from workbench.parallel.collectives import Collective
+
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool = True,
@@ -47,3 +53,38 @@ def zero1_optimizer(params, dp_mesh: DeviceMesh, **adamw_kwargs) -> ZeroRedundan
     """
     return ZeroRedundancyOptimizer(list(params), optimizer_class=torch.optim.AdamW,
                                    process_group=dp_mesh.get_group(), **adamw_kwargs)
+
+
+def fsdp_comm(unit: dict, unsharded_numel: int, micro: int, compute_size: int, grad_size: int) -> list[Collective]:
+    """What one FSDP2 unit communicates per step; ``U = unsharded_numel`` (padded: local shard x shard size).
+
+    Forward all-gather of ``U`` in the compute dtype per micro-batch, again in backward when the unit
+    reshards after forward (zero=3); one reduce-scatter of the gradients (reduce dtype) on the last
+    micro-batch; under HSDP one all-reduce of the reduced shard ``U / shard_size`` over dp_replicate.
+    """
+    n, name = unit["shard_size"], unit["name"]
+    what = "experts" if name.endswith("experts") else ("blocks" if name.startswith("layers.") else "root")
+    dim = unit["shard_dim"]
+    out = [Collective("all_gather", dim, "forward", unsharded_numel * compute_size, n, micro,
+                      f"FSDP parameters ({what})")]
+    if unit["reshard_after_forward"]:
+        out.append(Collective("all_gather", dim, "backward", unsharded_numel * compute_size, n, micro,
+                              f"FSDP parameters again (reshard_after_forward, {what})"))
+    out.append(Collective("reduce_scatter", dim, "backward", unsharded_numel * grad_size, n, 1,
+                          f"FSDP gradients ({what})"))
+    if unit["replicate_dim"]:
+        out.append(Collective("all_reduce", unit["replicate_dim"], "backward", unsharded_numel // n * grad_size,
+                              unit["replicate_size"], 1, f"HSDP gradient shards ({what})"))
+    return out
+
+
+def ddp_comm(mesh_dim: str, n: int, grad_bytes: int, param_bytes: int, zero1: bool) -> list[Collective]:
+    """DDP: one all-reduce of all local gradients per step, in 25 MiB buckets. ZeRO-1 adds the
+    broadcast of each rank's updated partition: n calls of N/n bytes, (n-1)/n x N in total."""
+    buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+    out = [Collective("all_reduce", mesh_dim, "backward", grad_bytes / buckets, n, buckets,
+                      "DDP gradients (25 MiB buckets)")]
+    if zero1:
+        out.append(Collective("broadcast", mesh_dim, "optimizer", param_bytes / n, n, n,
+                              "ZeRO-1 updated parameter partitions"))
+    return out

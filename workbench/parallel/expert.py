@@ -45,8 +45,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from workbench.config import ParallelConfig
 from workbench.models.moe import GroupedExperts, MoEFeedForward, grouped_swiglu
+from workbench.parallel.collectives import Collective
 
-__all__ = ["apply_ep", "expert_meshes", "load_balancing_loss"]
+__all__ = ["apply_ep", "expert_meshes", "load_balancing_loss", "ep_comm", "load_balance_comm"]
 
 
 def expert_meshes(mesh: DeviceMesh, parallel: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh]:
@@ -180,3 +181,24 @@ def load_balancing_loss(model: nn.Module, dp_groups=()) -> tuple[torch.Tensor | 
     frac = counts.float() / counts.sum(dim=1, keepdim=True).clamp(min=1)
     aux = sum(m.n_experts * (f * m.router_prob_mean).sum() for m, f in zip(layers, frac))
     return aux, counts
+
+
+def ep_comm(ep: int, n_moe: int, n_experts: int, slot_bytes: float, micro: int) -> list[Collective]:
+    """What expert parallelism sends per step: per MoE layer and micro-batch the counts all-to-all and
+    the token dispatch + combine (``slot_bytes`` = one micro-batch's routed token-slots), and the same
+    two again in backward; (ep-1)/ep of the slots leave the rank under balanced routing."""
+    if ep <= 1 or not n_moe:
+        return []
+    calls = n_moe * micro
+    return [Collective("all_to_all", "ep", "forward", n_experts * 8, ep, calls, "EP token counts per expert"),
+            Collective("all_to_all", "ep", "forward", slot_bytes, ep, 2 * calls,
+                       "EP token dispatch + combine (balanced routing)"),
+            Collective("all_to_all", "ep", "backward", slot_bytes, ep, 2 * calls, "EP gradients of dispatch + combine")]
+
+
+def load_balance_comm(dp_dims: dict[str, int], n_moe: int, n_experts: int, micro: int) -> list[Collective]:
+    """The router loss's all-reduce of every MoE layer's token counts (int64) over each dp dimension."""
+    if not n_moe:
+        return []
+    return [Collective("all_reduce", dim, "forward", n_moe * n_experts * 8, n, micro, "MoE load-balancing token counts")
+            for dim, n in dp_dims.items()]

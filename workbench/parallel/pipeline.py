@@ -8,7 +8,8 @@ lives on pp rank ``s % pp``::
     pp=2, 1F1B:         rank 0: [emb, L0 L1 L2]          rank 1: [L3 L4, norm, out]
     pp=2, Interleaved:  rank 0: [emb, L0 L1] [L3]        rank 1: [L2] [L4, norm, out]
 
-Each stage is a pruned deep copy of the model ``build_model`` returns. ``layers`` is a ModuleDict keyed
+Each stage is a pruned copy of the meta-device model (``workbench.parallel.build.build_stages`` splits,
+shards and only then materializes it). ``layers`` is a ModuleDict keyed
 "0".."n-1", so every parameter keeps its fully-qualified name ("layers.3.attention.wq.weight").
 
 The engine is ``torch.distributed.pipelining``. Each microbatch loss is the token-mean cross entropy,
@@ -29,19 +30,23 @@ import copy
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.pipelining.schedules import _sorted_batch_p2p, _wait_batch_p2p
 
+from workbench import compat
 from workbench.config import ParallelConfig
 from workbench.memory.probe import resize_storage_
+from workbench.parallel.collectives import Collective
 
-__all__ = ["split_layers", "stage_ids", "build_stage_module", "build_pipeline", "Pipeline",
+if TYPE_CHECKING:
+    from workbench.parallel.build import Stages
+
+__all__ = ["split_layers", "stage_ids", "build_stage_module", "build_pipeline", "pp_comm", "Pipeline",
            "ScheduleGPipeLean", "TimedStage", "pipeline_loss", "SCHEDULES"]
 
 
@@ -139,8 +144,9 @@ def _shrink(recv_infos) -> None:
 
 
 def _p2p(ops) -> None:
-    for works in _sorted_batch_p2p(ops).values():
-        _wait_batch_p2p(works)
+    sort, wait = compat.get("sorted_batch_p2p"), compat.get("wait_batch_p2p")
+    for works in sort(ops).values():
+        wait(works)
 
 
 class ScheduleGPipeLean(ScheduleGPipe):
@@ -235,21 +241,27 @@ class Pipeline:
         return sorted((a for s in self.stages for a in s.actions), key=lambda a: a["start"])
 
 
-def build_pipeline(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh, device: torch.device,
-                   prepare: Callable[[nn.Module], nn.Module] = lambda m: m) -> Pipeline:
-    """Split ``model`` into this rank's stages, ``prepare`` each (tp, fsdp, ...), and build the schedule."""
-    pp, v = parallel.pp, parallel.pp_stages_per_rank
-    n_stages = pp * v
+def build_pipeline(stages: "Stages", parallel: ParallelConfig, mesh: DeviceMesh) -> Pipeline:
+    """Wrap this rank's already built stage modules (``workbench.parallel.build.build_stages``) into
+    ``PipelineStage``s and the schedule that drives them."""
     pp_mesh = mesh["pp"]
-    layers = split_layers(model.cfg.n_layers, n_stages)
-    mine = stage_ids(pp_mesh.get_local_rank(), pp, v)
-    modules, stages = [], []
-    for j, s in enumerate(mine):
-        module = prepare(build_stage_module(model, layers[s], first=s == 0, last=s == n_stages - 1,
-                                            in_place=j == len(mine) - 1))
-        modules.append(module)
-        stages.append(TimedStage(module, s, n_stages, device, group=pp_mesh.get_group()))
+    timed = [TimedStage(module, s, stages.n_stages, stages.device, group=pp_mesh.get_group())
+             for module, s in zip(stages.modules, stages.stage_ids)]
     cls = SCHEDULES[parallel.pp_schedule]
     m = parallel.pp_microbatches
-    schedule = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=pipeline_loss, scale_grads=True)
-    return Pipeline(schedule, stages, modules, m, {s: layers[s] for s in mine})
+    schedule = cls(timed if parallel.pp_stages_per_rank > 1 else timed[0], n_microbatches=m,
+                   loss_fn=pipeline_loss, scale_grads=True)
+    return Pipeline(schedule, timed, list(stages.modules), m, dict(zip(stages.stage_ids, stages.layers)))
+
+
+def pp_comm(stages: list[int], n_stages: int, act_bytes: float, micro: int) -> list[Collective]:
+    """What this pp rank sends per step: per microbatch, each of its ``stages`` sends its output
+    activation forward (not the last stage) and its input gradient backward (not the first)."""
+    out = []
+    for s in stages:
+        if s < n_stages - 1:
+            out.append(Collective("send/recv", "pp", "forward", act_bytes, 2, micro, "PP activations to the next stage"))
+        if s > 0:
+            out.append(Collective("send/recv", "pp", "backward", act_bytes, 2, micro,
+                                  "PP input gradients to the previous stage"))
+    return out

@@ -24,6 +24,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from workbench.parallel.collectives import Collective
+
 
 def root_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Plan for the embedding, final norm and output head."""
@@ -81,3 +83,50 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
             plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
         parallelize_module(block, tp_mesh, plan)
     return model
+
+
+def tp_comm(tp: int, sequence_parallel: bool, n_dense: int, n_moe: int, has_first: bool, has_last: bool,
+            act_bytes: float, logits_bytes: float, norm_grad_bytes: float, micro: int) -> list[Collective]:
+    """What tensor parallelism communicates per step over ``tp`` ranks.
+
+    Per block and micro-batch, with ``X = act_bytes`` one micro-batch's activation: without SP the
+    forward all-reduces after ``wo`` and ``w2`` (2X) and backward all-reduces the input gradients of
+    ``wq/wk/wv`` and ``w1/w3`` (2X); MoE blocks keep their experts whole, so 1 + 1. Under SP each
+    all-reduce becomes a reduce-scatter plus an all-gather of the same X, and the norm weights' partial
+    gradients are all-reduced. The embedding all-reduces (reduce-scatters under SP) its output; the
+    output head all-gathers the logits and all-reduces its input gradient (SP: gathers X forward and
+    reduce-scatters its gradient backward).
+    """
+    if tp <= 1:
+        return []
+    sp, calls = sequence_parallel, micro
+    per_block = (2 * n_dense + n_moe) * calls
+    out = []
+    if not sp:
+        out += [Collective("all_reduce", "tp", "forward", act_bytes, tp, per_block, "TP block outputs (wo, w2)"),
+                Collective("all_reduce", "tp", "backward", act_bytes, tp, per_block,
+                           "TP input gradients (wq/wk/wv, w1/w3)")]
+    else:
+        out += [Collective("all_gather", "tp", "forward", act_bytes, tp, per_block,
+                           "SP sequence all-gather before attention / ffn"),
+                Collective("reduce_scatter", "tp", "forward", act_bytes, tp, per_block,
+                           "SP reduce-scatter after wo / w2"),
+                Collective("all_gather", "tp", "backward", act_bytes, tp, per_block,
+                           "SP gradient all-gather (backward of reduce-scatter)"),
+                Collective("reduce_scatter", "tp", "backward", act_bytes, tp, per_block,
+                           "SP input-gradient reduce-scatter (backward of all-gather)"),
+                Collective("all_reduce", "tp", "backward", norm_grad_bytes, tp,
+                           2 * (n_dense + n_moe) + (1 if has_last else 0), "SP norm weight gradients (partial over tp)")]
+    if has_first:
+        out.append(Collective("reduce_scatter" if sp else "all_reduce", "tp", "forward", act_bytes, tp, calls,
+                              "TP embedding output"))
+    if has_last:
+        out.append(Collective("all_gather", "tp", "forward", logits_bytes, tp, calls,
+                              "TP logits (output head, Replicate)"))
+        if sp:
+            out += [Collective("all_gather", "tp", "forward", act_bytes, tp, calls,
+                               "SP sequence all-gather before the output head"),
+                    Collective("reduce_scatter", "tp", "backward", act_bytes, tp, calls, "SP output-head input gradient")]
+        else:
+            out.append(Collective("all_reduce", "tp", "backward", act_bytes, tp, calls, "TP output-head input gradient"))
+    return out

@@ -8,8 +8,8 @@ holds: for every parameter, gradient and AdamW state, the local shape, the globa
     problems = check(plan, rows, rank)               # [] when the plan predicted this rank exactly
 
 ``python -m torch.distributed.run --nproc-per-node 2 -m workbench.plan.live --layout tiny:tp=2 --out DIR``
-builds the model the way ``workbench.train.trainer`` does (``build_model``, ``parallelize``,
-``build_optimizer``), takes one training step on random tokens, and writes ``DIR/0/rank{r}.json``
+builds the model through the trainer's own build path (``workbench.parallel.build.build_stages`` and
+``Stages.optimizer``), takes one training step on random tokens, and writes ``DIR/0/rank{r}.json``
 (one numbered folder per ``--layout``, all run by one job).
 """
 
@@ -29,7 +29,7 @@ __all__ = ["live_layout", "check"]
 
 def _block(t: torch.Tensor) -> tuple[list[int], list[int], str]:
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from workbench.compat import compute_local_shape_and_global_offset
 
     dtype = str(t.dtype).removeprefix("torch.")
     if isinstance(t, DTensor):
@@ -99,13 +99,12 @@ def check(plan, rows: list[dict[str, Any]], rank: int) -> list[str]:
 
 
 def _parse_layout(text: str) -> tuple[str, dict[str, Any]]:
-    """``"tiny:dp_shard=2,zero=1,mixed_precision=bf16"`` -> ("tiny", {...}); ints where they parse."""
+    """``"tiny:dp_shard=2,zero=1,mixed_precision=bf16"`` -> ("tiny", {...}): ParallelConfig and TrainConfig
+    fields, parsed by the one layout parser (:func:`workbench.settings.parse_settings`)."""
+    from workbench.settings import parse_settings
+
     model, _, rest = text.partition(":")
-    kw: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        kw[key] = int(value) if value.lstrip("-").isdigit() else {"true": True, "false": False}.get(value, value)
-    return model, kw
+    return model, parse_settings(rest, ("parallel", "train"))
 
 
 def run_layout(model_name: str, kw: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -114,24 +113,22 @@ def run_layout(model_name: str, kw: dict[str, Any], rank: int) -> dict[str, Any]
 
     from workbench.config import ParallelConfig, TrainConfig, resolve_model
     from workbench.mesh import build_mesh
-    from workbench.models import build_model
-    from workbench.parallel.apply import build_optimizer, parallelize
+    from workbench.parallel.build import build_stages
     from workbench.parallel.precision import compute_context
 
     cfg = resolve_model(model_name)
-    train_keys = {"mixed_precision", "dtype"}
     import torch.distributed as dist
 
-    pcfg = ParallelConfig(**{k: v for k, v in kw.items() if k not in train_keys}).resolved(dist.get_world_size())
-    tcfg = TrainConfig(global_batch=2 * pcfg.dp, seq_len=16, **{k: v for k, v in kw.items() if k in train_keys})
+    from workbench.settings import split_settings
+
+    parts = split_settings(kw, ("parallel", "train"))
+    pcfg = ParallelConfig(**parts["parallel"]).resolved(dist.get_world_size())
+    tcfg = TrainConfig(**{"global_batch": 2 * pcfg.dp, "seq_len": 16, **parts["train"]})
     mesh = build_mesh(pcfg, "cpu") if pcfg.world_size > 1 else None
     torch.manual_seed(tcfg.seed)
-    model = build_model(cfg, seed=tcfg.seed)
-    if tcfg.dtype == "bfloat16":
-        model = model.to(torch.bfloat16)
-    model = parallelize(model, pcfg, mesh, tcfg)
-    opt = build_optimizer(model, pcfg, mesh, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
-                          betas=(0.9, 0.95), foreach=False)
+    stages = build_stages(cfg, pcfg, tcfg, mesh, "cpu")  # the trainer's build
+    model = stages.model
+    opt = stages.optimizer(pcfg, mesh, tcfg)
     tokens = torch.randint(0, cfg.vocab_size, (tcfg.global_batch // pcfg.dp, tcfg.seq_len + 1),
                            generator=torch.Generator().manual_seed(rank // pcfg.tp))
     with compute_context(model, tcfg.mixed_precision, "cpu"):
@@ -165,7 +162,7 @@ def _main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from workbench.train.worker import exit_now
+    from workbench.lifeline import exit_now
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _main()

@@ -3,10 +3,10 @@
 How a 1024-rank plan is made on a laptop::
 
     dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=1024)   # no peers, no traffic
-    mesh  = build_mesh(parallel)                          # the same DeviceMesh a real run builds
-    model = build_model(cfg, device="meta")               # shapes and dtypes, no storage
-    model = parallelize(model, parallel, mesh, train)     # TP, EP, FSDP2 / DDP: the real code path
-    opt   = build_optimizer(model, parallel, mesh)        # AdamW or ZeRO-1's partitioned optimizer
+    mesh   = build_mesh(parallel)                         # the same DeviceMesh a real run builds
+    stages = build_stages(cfg, parallel, train, mesh, "meta")   # the trainer's build, left on meta:
+                                                          # this pp rank's stages, TP, EP, FSDP2 / DDP
+    opt    = stages.optimizer(parallel, mesh, train)      # AdamW or ZeRO-1's partitioned optimizer
 
 Rank ``r`` sees its own shard, but DTensor placements describe every rank's: from a parameter's
 placements (e.g. ``(_StridedShard(0, sf=8), Shard(0))`` on ``(dp_shard, tp)``) we derive the ordered
@@ -43,10 +43,8 @@ import dataclasses
 import json
 import subprocess
 import sys
-import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
-from unittest import mock
 
 import numpy as np
 import torch
@@ -65,15 +63,13 @@ __all__ = ["plan", "fake_world", "describe_placements"]
 # --------------------------------------------------------------------------------------------------
 
 
-def _resolve_model(model) -> tuple[str, ModelConfig | None, Callable[[], nn.Module]]:
-    """(name, config or None, zero-argument builder returning a meta-device module)."""
-    from workbench.models import build_model
-
+def _resolve_model(model) -> tuple[str, ModelConfig | None, ModelConfig | Callable[[], nn.Module]]:
+    """(name, config or None, what ``build_stages`` builds: the config, or the zero-argument factory)."""
     if callable(model) and not isinstance(model, (str, ModelConfig)):
         name = getattr(model, "__name__", type(model).__name__)
         return name, None, model
     cfg = resolve_model(model)
-    return cfg.name, cfg, lambda: build_model(cfg, seed=None, device="meta")
+    return cfg.name, cfg, cfg
 
 
 def _default_train(parallel: ParallelConfig) -> TrainConfig:
@@ -105,7 +101,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
     Collectives on it return at once without moving data, which is all meta tensors need.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from workbench.compat import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process")
@@ -123,29 +119,21 @@ def _clear_dtensor_caches() -> None:
     """Forget DTensor's cached sharding decisions. They hold DeviceMesh objects, and a mesh compares
     equal to one of a later fake world, whose process groups have other names: a cache hit would then
     name a destroyed group."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from workbench import compat
 
-    prop = DTensor._op_dispatcher.sharding_propagator
-    for owner in (prop, _redistribute):
-        for attr in dir(owner):
-            fn = getattr(owner, attr, None)
-            if callable(getattr(fn, "cache_clear", None)):
-                fn.cache_clear()
-    clear_cpp = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
-    if clear_cpp is not None:
-        clear_cpp()
+    compat.clear_sharding_caches()
 
 
 @contextmanager
-def _ddp_on_meta() -> Iterator[None]:
-    """DDP's constructor checks parameter shapes across ranks and broadcasts rank 0's weights; both
-    read tensor values, which meta tensors do not have. Nothing else in DDP is skipped."""
-    import torch.nn.parallel.distributed as ddp
+def _spmd_rules(train: TrainConfig) -> Iterator[None]:
+    """Our DTensor sharding rules for the simulation's duration, as the job would install them
+    (``TrainConfig.spmd_rules``); DTensor is left as it was afterwards."""
+    if not train.spmd_rules:
+        yield
+        return
+    from workbench.spmd import our_rules
 
-    with mock.patch.object(ddp, "_verify_param_shape_across_processes", lambda *a, **k: None), \
-            mock.patch.object(ddp, "_sync_module_states", lambda *a, **k: None), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+    with our_rules():
         yield
 
 
@@ -175,7 +163,7 @@ def describe_placements(param: torch.Tensor, parallel: ParallelConfig) -> tuple[
     experts). So plain ``Shard`` splits go first, in mesh order, and strided ones after them.
     """
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from workbench.compat import StridedShard as _StridedShard
 
     if not isinstance(param, DTensor):
         return ("R",) * len(MESH_DIMS), ()
@@ -221,6 +209,20 @@ def _combine(subs: list[str]) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamSim:
+    """One parameter as the simulation found it: global shape, dtype, and how the mesh splits it and
+    its gradient (which differs from the parameter's only for a tensor-parallel parameter outside FSDP)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    placements: tuple[str, ...]
+    splits: tuple[Split, ...]
+    grad_placements: tuple[str, ...]
+    grad_splits: tuple[Split, ...]
+
+
 @dataclasses.dataclass
 class StageSim:
     """What the simulation of one pp coordinate found: its tensors' placements and its comm units."""
@@ -228,8 +230,7 @@ class StageSim:
     stage: int | None
     rank: int
     layers: list[list[int]]                      # layer ids per virtual stage on this pp rank
-    # (fqn, shape, dtype, placements, splits, (gradient placements, gradient splits))
-    params: list[tuple[str, tuple, str, tuple, tuple, tuple]]
+    params: list[ParamSim]
     fsdp_units: list[dict[str, Any]]
     ddp_dim: str | None
     zero1_owner: dict[str, int]                  # fqn -> dp_shard coordinate owning its optimizer state
@@ -246,7 +247,8 @@ def _strip(name: str) -> str:
 def _fsdp_units(modules: list[nn.Module]) -> list[dict[str, Any]]:
     """Every FSDP2 parameter group: its parameters, shard/replicate groups, and resharding."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+    from workbench import compat
+    from workbench.compat import HSDPMeshInfo
 
     units = []
     for root in modules:
@@ -254,7 +256,7 @@ def _fsdp_units(modules: list[nn.Module]) -> list[dict[str, Any]]:
         for mod_name, mod in root.named_modules():
             if not isinstance(mod, FSDPModule):
                 continue
-            for group in mod._get_fsdp_state()._fsdp_param_groups:
+            for group in compat.fsdp_param_groups(mod):
                 info = group.mesh_info
                 dim_names = info.mesh.mesh_dim_names
                 units.append({
@@ -304,49 +306,31 @@ def _probe_grads(modules: list[nn.Module], units: list[dict[str, Any]],
     return out
 
 
-def _simulate_stage(build: Callable[[], nn.Module], n_layers: int | None, parallel: ParallelConfig,
+def _simulate_stage(source: ModelConfig | Callable[[], nn.Module], parallel: ParallelConfig,
                     train: TrainConfig, pp_index: int | None) -> StageSim:
     from torch.nn.parallel import DistributedDataParallel
 
     from workbench.mesh import build_mesh
-    from workbench.parallel.apply import build_optimizer, parallelize
-    from workbench.parallel.pipeline import build_stage_module, split_layers, stage_ids
+    from workbench.parallel.build import build_stages
 
     world = parallel.world_size
     rank = 0 if pp_index is None else pp_index * (world // parallel.pp)
-    with fake_world(world, rank):
+    with fake_world(world, rank), _spmd_rules(train):
         mesh = build_mesh(parallel, "cpu") if world > 1 else None
-        with torch.device("meta"):
-            model = build()
-        if train.dtype == "bfloat16":
-            model = model.to(torch.bfloat16)
-        n_layers = n_layers if n_layers is not None else len(model.layers)
-        with _ddp_on_meta():
-            if pp_index is None:
-                modules = [parallelize(model, parallel, mesh, train)]
-                layers = [list(range(n_layers))]
-                first = last = True
-            else:
-                v = parallel.pp_stages_per_rank
-                n_stages = parallel.pp * v
-                split = split_layers(n_layers, n_stages)
-                mine = stage_ids(pp_index, parallel.pp, v)
-                modules, layers = [], []
-                for j, s in enumerate(mine):
-                    stage = build_stage_module(model, split[s], first=s == 0, last=s == n_stages - 1,
-                                               in_place=j == len(mine) - 1)
-                    modules.append(parallelize(stage, parallel, mesh, train))
-                    layers.append(split[s])
-                first, last = 0 in mine, n_stages - 1 in mine
+        # The trainer's own build, stopped on the meta device.
+        stages = build_stages(source, parallel, train, mesh, "meta", pp_rank=pp_index or 0)
+        modules, layers = stages.modules, stages.layers
+        first, last = stages.has_first, stages.has_last
         units = _fsdp_units(modules)
         grads = _probe_grads(modules, units, parallel)
-        holder = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
-        opt = build_optimizer(holder, parallel, mesh, lr=train.lr, weight_decay=train.weight_decay,
-                              betas=(0.9, 0.95), foreach=False)
+        opt = stages.optimizer(parallel, mesh, train)
         names = {id(p): _strip(n) for m in modules for n, p in m.named_parameters()}
         owner: dict[str, int] = {}
-        if hasattr(opt, "_partition_parameters"):  # ZeRO-1: whole tensors assigned to dp_shard ranks
-            for r, groups in enumerate(opt._partition_parameters()):
+        from workbench import compat
+
+        partition = compat.zero_partition(opt)
+        if partition is not None:  # ZeRO-1: whole tensors assigned to dp_shard ranks
+            for r, groups in enumerate(partition):
                 for g in groups:
                     for p in g["params"]:
                         owner[names[id(p)]] = r
@@ -355,8 +339,9 @@ def _simulate_stage(build: Callable[[], nn.Module], n_layers: int | None, parall
             for n, p in m.named_parameters():
                 placements, splits = describe_placements(p, parallel)
                 fqn = _strip(n)
-                params.append((fqn, tuple(p.shape), str(p.dtype).removeprefix("torch."), placements, splits,
-                               grads.get(fqn, (placements, splits))))
+                g_placements, g_splits = grads.get(fqn, (placements, splits))
+                params.append(ParamSim(fqn, tuple(p.shape), str(p.dtype).removeprefix("torch."), placements,
+                                       splits, g_placements, g_splits))
         ddp_dim = None
         if isinstance(modules[0], DistributedDataParallel):
             ddp_dim = "dp_shard" if parallel.dp_shard > 1 else "dp_replicate"
@@ -364,7 +349,7 @@ def _simulate_stage(build: Callable[[], nn.Module], n_layers: int | None, parall
 
         n_moe = sum(isinstance(x, MoEFeedForward) for m in modules for x in m.modules())
         return StageSim(pp_index, rank, layers, params, units, ddp_dim, owner, n_moe, first, last,
-                        getattr(model, "cfg", None))
+                        stages.cfg or getattr(getattr(modules[0], "module", modules[0]), "cfg", None))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -378,10 +363,11 @@ def _tensors(sims: list[StageSim], train: TrainConfig) -> list[TensorPlan]:
     out: list[TensorPlan] = []
     for sim in sims:
         stage_holder = () if sim.stage is None else ((0, sim.stage),)
-        for name, shape, dtype, placements, splits, (g_placements, g_splits) in sim.params:
-            common = dict(global_shape=shape, placements=placements, stage=sim.stage, splits=splits,
+        for ps in sim.params:
+            name, dtype, placements = ps.name, ps.dtype, ps.placements
+            common = dict(global_shape=ps.shape, placements=placements, stage=sim.stage, splits=ps.splits,
                           holders=stage_holder, param=name)
-            grad = dict(common, placements=g_placements, splits=g_splits)
+            grad = dict(common, placements=ps.grad_placements, splits=ps.grad_splits)
             compute = "bfloat16" if mixed else dtype
             state = "float32" if mixed else dtype
             out.append(TensorPlan(name=name, kind="parameter", dtype=compute, **common))
@@ -433,17 +419,15 @@ def plan(model, parallel_config: ParallelConfig, train_shape: TrainConfig | dict
 
     from tqdm.auto import tqdm
 
-    n_layers = cfg.n_layers if cfg is not None else None
     if parallel.pp == 1:
-        sims = [_simulate_stage(build, n_layers, parallel, train, None)]
+        sims = [_simulate_stage(build, parallel, train, None)]
     else:
-        sims = [_simulate_stage(build, n_layers, parallel, train, p)
+        sims = [_simulate_stage(build, parallel, train, p)
                 for p in tqdm(range(parallel.pp), desc=f"simulating {parallel.pp} pipeline stages",
                               leave=False, disable=None)]
     tensors = _tensors(sims, train)
-    result = ShardingPlan(name, parallel, train, tensors, model=cfg, notes=list(NOTES))
-    result._comm_rows = comm_rows(result, sims, cfg)
-    return result
+    return ShardingPlan(name, parallel, train, tensors, comm_rows=comm_rows(parallel, train, tensors, sims, cfg),
+                        model=cfg, notes=list(NOTES))
 
 
 NOTES = (

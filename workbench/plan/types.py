@@ -48,12 +48,14 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 
-from workbench.config import ModelConfig, ParallelConfig, TrainConfig
+from workbench.config import MESH_DIMS, ModelConfig, ParallelConfig, TrainConfig
+from workbench.display import RendersInNotebook
+from workbench.kinds import STATE_KINDS
+from workbench.units import format_bytes
 
-__all__ = ["TensorPlan", "ShardingPlan", "MESH_DIMS", "KINDS", "ITEMSIZE", "local_extents"]
+__all__ = ["TensorPlan", "ShardingPlan", "MESH_DIMS", "KINDS", "ITEMSIZE", "local_extents", "group_blocks"]
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-KINDS = ("parameter", "gradient", "optimizer", "master")
+KINDS = STATE_KINDS  # the categories a rank holds (see workbench.kinds)
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4}
 
 Split = tuple[int, int, int, int]  # (tensor_dim, mesh_dim, pieces, stride)
@@ -134,15 +136,21 @@ class TensorPlan:
                    holders=tuple(tuple(h) for h in d.get("holders", ())), param=d.get("param", d["name"]))
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+def group_blocks(blocks: pd.DataFrame) -> pd.DataFrame:
+    """Group a :meth:`ShardingPlan.blocks` frame by what a rank holds (see :meth:`ShardingPlan.block_groups`)."""
+    held = blocks[blocks["state"] != "absent"]
+    groups: dict[tuple, list[int]] = {}
+    for rank, off, ln, state in zip(held["rank"].tolist(), held["offsets"].tolist(), held["lengths"].tolist(),
+                                    held["state"].tolist()):
+        groups.setdefault((tuple(off), tuple(ln), state), []).append(int(rank))
+    rows = [{"offsets": off, "lengths": ln, "state": state, "ranks": tuple(sorted(r)), "replicas": len(r)}
+            for (off, ln, state), r in sorted(groups.items(), key=lambda kv: kv[0])]
+    frame = pd.DataFrame(rows, columns=["offsets", "lengths", "state", "ranks", "replicas"])
+    frame.insert(0, "block", range(len(frame)))
+    return frame
 
 
-class ShardingPlan:
+class ShardingPlan(RendersInNotebook):
     """What each rank of a layout holds (per tensor and per category) and communicates per step.
 
     Build one with :func:`workbench.plan`; evaluate it in a notebook to get the interactive view.
@@ -169,11 +177,8 @@ class ShardingPlan:
     # -- ranks and coordinates -----------------------------------------------------------------
 
     def coords(self, rank: int) -> tuple[int, ...]:
-        """Mesh coordinates ``(pp, dp_replicate, dp_shard, tp)`` of ``rank``."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank} is outside this plan's world of {self.world_size} ranks; "
-                             f"choose 0..{self.world_size - 1}")
-        return tuple(int(c) for c in np.unravel_index(rank, self.mesh_shape))
+        """Mesh coordinates ``(pp, dp_replicate, dp_shard, tp)`` of ``rank`` (:meth:`ParallelConfig.rank_coords`)."""
+        return self.parallel.rank_coords(int(rank))
 
     def rank_of(self, coords: Iterable[int]) -> int:
         """Inverse of :meth:`coords`."""
@@ -181,7 +186,11 @@ class ShardingPlan:
 
     @cached_property
     def _all_coords(self) -> np.ndarray:
-        return np.stack(np.unravel_index(np.arange(self.world_size), self.mesh_shape), axis=1).astype(np.int64)
+        return self.parallel.all_rank_coords()
+
+    def all_coords(self) -> np.ndarray:
+        """Every rank's :meth:`coords`: an int64 array ``(world_size, 4)``, row = rank."""
+        return self._all_coords.copy()
 
     # -- one tensor ----------------------------------------------------------------------------
 
@@ -232,6 +241,15 @@ class ShardingPlan:
                             for row, h in zip(lengths, held)]
         frame["state"] = state
         return frame
+
+    def block_groups(self, name: str, kind: str = "parameter") -> pd.DataFrame:
+        """The distinct blocks of ``name``: one row per different (offsets, lengths, state) a rank holds.
+
+        Columns: ``block`` (0.., in offset order), ``offsets``, ``lengths``, ``state``, ``ranks`` (sorted
+        tuple), ``replicas`` (how many ranks hold that block). Ranks that hold none of it are left out, so
+        a 1024-rank plan of a tp=8 tensor answers 8 rows, each naming its 128 replicas.
+        """
+        return group_blocks(self.blocks(name, kind))
 
     # -- per rank ------------------------------------------------------------------------------
 
@@ -368,37 +386,28 @@ class ShardingPlan:
     def __repr__(self) -> str:
         s = self.summary()
         return (f"ShardingPlan({s['model_name']!r}, {s['layout']}, world_size={s['world_size']}, "
-                f"params={s['n_params']:,}, max rank total={_fmt_bytes(s['max_rank_bytes']['total'])})")
+                f"params={s['n_params']:,}, max rank total={format_bytes(s['max_rank_bytes']['total'])})")
 
     def _repr_html_(self) -> str:
         """A static summary table (what nbconvert and viewers without widgets show)."""
         s = self.summary()
         rows = [("model", s["model_name"]), ("layout", s["layout"]), ("world size", s["world_size"]),
-                ("parameters", f"{s['n_params']:,} ({_fmt_bytes(s['param_bytes'])})")]
+                ("parameters", f"{s['n_params']:,} ({format_bytes(s['param_bytes'])})")]
         for k in (*KINDS, "total"):
             rows.append((f"{k} per rank (max / min)",
-                         f"{_fmt_bytes(s['max_rank_bytes'][k])} / {_fmt_bytes(s['min_rank_bytes'][k])}"))
-        rows.append(("communication per step (busiest rank)", _fmt_bytes(s["comm_bytes_per_step"])))
+                         f"{format_bytes(s['max_rank_bytes'][k])} / {format_bytes(s['min_rank_bytes'][k])}"))
+        rows.append(("communication per step (busiest rank)", format_bytes(s["comm_bytes_per_step"])))
         body = "".join(f"<tr><th style='text-align:left'>{html.escape(str(a))}</th>"
                        f"<td style='text-align:left'>{html.escape(str(b))}</td></tr>" for a, b in rows)
         comm = self.comm()
         if not comm.empty:
             g = comm.groupby(["collective", "mesh_dim"], as_index=False)["bytes_per_rank"].sum()
             body += "".join(f"<tr><td>{html.escape(r.collective)} over {html.escape(r.mesh_dim)}</td>"
-                            f"<td>{_fmt_bytes(r.bytes_per_rank)}</td></tr>" for r in g.itertuples())
+                            f"<td>{format_bytes(r.bytes_per_rank)}</td></tr>" for r in g.itertuples())
         return f"<table><caption>ShardingPlan</caption>{body}</table>"
 
-    def _ipython_display_(self) -> None:
-        from IPython.display import HTML, display
-
-        try:
-            from workbench.widgets.plan_view import ShardingPlanView
-
-            view = ShardingPlanView(self)
-        except ImportError:  # no ipywidgets / plotly: the static table
-            display(HTML(self._repr_html_()))
-            return
-        display(view)
+    # _ipython_display_ (RendersInNotebook): the registered view (workbench.widgets' ShardingPlanView),
+    # or _repr_html_ where ipywidgets / plotly are missing; see workbench.display.
 
 
 def _json_default(o: Any) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from workbench.cli import EXIT_FAILED, _emit_json, _error
+from workbench.cli_output import EXIT_FAILED, emit_json, error
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -20,13 +20,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         try:
             shapes = [tuple(int(x) for x in s.split(",") if x.strip()) for s in args.shape]
         except ValueError:
-            return _error(f"cannot read --shape {args.shape}; write one per tensor input like 4,6", args.json)
+            return error(f"cannot read --shape {args.shape}; write one per tensor input like 4,6", args.json)
     try:
         e = explain(args.op, *args.inputs, mesh=args.mesh, shapes=shapes)
     except ValueError as exc:
-        return _error(str(exc), args.json)
+        return error(str(exc), args.json)
     if args.json:
-        _emit_json({"status": "ok", **e.to_dict()})
+        emit_json({"status": "ok", **e.to_dict()})
     else:
         print(e)
     return 0
@@ -39,14 +39,14 @@ def cmd_check(args: argparse.Namespace) -> int:
         report = check(family=args.family, names=args.case or None, cap=None if args.cap == 0 else args.cap,
                        meshes=tuple(args.mesh or ("1d", "2d")), rules=args.rules, timeout=args.timeout, progress=not args.json)
     except ValueError as exc:
-        return _error(str(exc), args.json)
+        return error(str(exc), args.json)
     except (TimeoutError, RuntimeError) as exc:
-        return _error(str(exc), args.json, EXIT_FAILED)
+        return error(str(exc), args.json, EXIT_FAILED)
     if args.json:
         doc = report.to_dict()
         if not args.rows:
             doc.pop("rows")
-        _emit_json(doc)
+        emit_json(doc)
     else:
         for fam, d in report.summary().items():
             print(f"{fam:<12} {d['cases']:>3} cases  {d['passed']:>4}/{d['combinations']:<4} combinations pass  "
@@ -62,10 +62,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_rules(args: argparse.Namespace) -> int:
-    from workbench.spmd import registry
+    from workbench.spmd import SKIPPED_FAMILIES, registry
 
     if args.family and args.family not in registry.FAMILIES:
-        return _error(f"unknown family {args.family!r}; choose one of {', '.join(registry.FAMILIES)}", args.json)
+        return error(f"unknown family {args.family!r}; choose one of {', '.join(registry.FAMILIES)}", args.json)
     rules = [r for r in registry.RULES.values() if not args.family or r.family == args.family]
     cases = [c for c in registry.CASES.values() if not args.family or c.family == args.family]
     rows = [{"op": str(r.op), "family": r.family, "kind": r.kind, "summary": r.summary,
@@ -73,10 +73,12 @@ def cmd_rules(args: argparse.Namespace) -> int:
     case_rows = [{"name": c.name, "family": c.family, "ops": [str(o) for o in c.ops],
                   "shardable": list(c.shardable), "requires_grad": list(c.requires_grad)} for c in cases]
     if args.json:
-        _emit_json({"status": "ok", "installed": registry.installed(), "rules": rows, "cases": case_rows})
+        emit_json({"status": "ok", "installed": registry.installed(), "skipped_families": SKIPPED_FAMILIES,
+                    "rules": rows, "cases": case_rows})
         return 0
-    print(f"{len(rows)} rules ({'installed' if registry.installed() else 'NOT installed: WORKBENCH_SPMD=0'}), "
-          f"{len(case_rows)} conformance cases")
+    skipped = "".join(f"; family {f!r} skipped: {why}" for f, why in SKIPPED_FAMILIES.items())
+    print(f"{len(rows)} rules (training jobs install them: TrainConfig.spmd_rules), "
+          f"{len(case_rows)} conformance cases{skipped}")
     for r in rows:
         print(f"  {r['family']:<12} {r['op']:<45} {r['kind']:<10} {r['summary']}")
     ops_with_rules = {r["op"] for r in rows}

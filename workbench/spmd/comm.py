@@ -6,15 +6,9 @@ tensors as it runs (functional collectives, which DTensor's redistributions use,
 
     bytes = bytes ONE rank sends, under the ring algorithm of that collective
 
-with ``N`` the bytes of the full (unsharded) buffer and ``g`` the group size::
-
-    all_gather      each rank contributes N/g, receives the rest:   (g-1) * shard  = (g-1)/g * N
-    reduce_scatter  input N, keeps N/g:                             (g-1)/g * N
-    all_reduce      reduce_scatter + all_gather:                    2 (g-1)/g * N
-    all_to_all      input N, keeps its own 1/g:                     (g-1)/g * N
-    broadcast       pipelined ring, averaged over ranks:            (g-1)/g * N
-
-This is the volume DTensor's own cost model charges, so "ours vs torch's" compares like with like. A
+by the one rule of ``workbench.parallel.collectives.ring_bytes`` (the plans use it too). An all-gather's
+input is the local shard, so its full buffer is ``group size x input``. This is the volume DTensor's own
+cost model charges, so "ours vs torch's" compares like with like. A
 group of one rank moves nothing. (On CPU, gloo has no all_to_all: DTensor falls back to all_gather, and
 that is what gets recorded, because that is what runs.)
 """
@@ -26,7 +20,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
-_fn = torch.ops._c10d_functional
+from workbench import compat
+from workbench.parallel.collectives import full_buffer_bytes, ring_bytes
+
+_fn = compat.get("c10d_functional")
 _c10d = torch.ops.c10d
 
 # packet -> (kind, index of the group argument)
@@ -62,22 +59,10 @@ def _nbytes(x: Any) -> int:
     return 0
 
 
-def ring_bytes(kind: str, input_bytes: int, group_size: int) -> int:
-    """Bytes one rank sends for a collective whose LOCAL input buffer holds ``input_bytes``."""
-    g = group_size
-    if g <= 1:
-        return 0
-    if kind == "all_gather":  # input is the shard
-        return (g - 1) * input_bytes
-    if kind == "all_reduce":
-        return round(2 * (g - 1) * input_bytes / g)
-    return round((g - 1) * input_bytes / g)  # reduce_scatter, all_to_all, broadcast
-
-
 def _group_of(name_or_pg: Any) -> tuple[int, str]:
     """(size, name) of a process group given by name (functional collectives) or object (c10d ops)."""
     if isinstance(name_or_pg, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
+        _resolve_process_group = compat.get("resolve_process_group")
 
         pg = _resolve_process_group(name_or_pg)
         return pg.size(), name_or_pg
@@ -140,7 +125,7 @@ class CommBytesMode(CommDebugMode):
             first = first[0]
         self.records.append({
             "kind": kind,
-            "bytes": ring_bytes(kind, nbytes, size),
+            "bytes": round(ring_bytes(kind, full_buffer_bytes(kind, nbytes, size), size)),
             "input_bytes": nbytes,
             "group_size": size,
             "group": name,

@@ -301,7 +301,10 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=spec["pg_timeout_s"]))
-    import workbench.spmd as spmd  # installs our rules unless WORKBENCH_SPMD=0
+    import workbench.spmd as spmd
+
+    if spec.get("rules", "ours") == "ours":
+        spmd.install()
 
     torch.manual_seed(0)
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
@@ -413,8 +416,8 @@ def check(family: str | None = None, names: list[str] | None = None, *, cap: int
           timeout: float = DEFAULT_TIMEOUT_S, progress: bool = True) -> ConformanceReport:
     """Run the conformance harness in 4 fresh gloo processes and return the report.
 
-    ``rules="torch"`` runs the same plan under torch's default rules (``WORKBENCH_SPMD=0`` in the
-    ranks): the benchmark's baseline. Raises ``TimeoutError`` (naming the last finished combination)
+    ``rules="torch"`` runs the same plan under torch's default rules (the ranks do not call
+    ``workbench.spmd.install()``): the benchmark's baseline. Raises ``TimeoutError`` (naming the last finished combination)
     if the ranks run past ``timeout`` seconds, and ``RuntimeError`` with the failing rank's last lines
     if a rank crashes.
     """
@@ -428,12 +431,12 @@ def check(family: str | None = None, names: list[str] | None = None, *, cap: int
         raise ValueError(f"no conformance cases registered{' for family ' + repr(family) if family else ''}")
     total = len(plan(cases, cap, meshes, seed))
     spec = {"family": family, "names": names, "cap": cap, "meshes": list(meshes), "seed": seed,
-            "pg_timeout_s": 60}
+            "pg_timeout_s": 60, "rules": rules}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="wb-spmd-check-") as tmp:
         out = Path(tmp) / "rows.jsonl"
         port = _free_port()
-        env = {**os.environ, "WORKBENCH_SPMD": "1" if rules == "ours" else "0"}
+        env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         procs, logs = [], []
         for r in range(WORLD):
@@ -441,7 +444,7 @@ def check(family: str | None = None, names: list[str] | None = None, *, cap: int
             logs.append(log)
             cmd = [sys.executable, "-c", "import json,sys; from workbench.spmd.conformance import _worker; "
                    "_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])); "
-                   "from workbench.train.worker import exit_now; exit_now(0)",
+                   "from workbench.lifeline import exit_now; exit_now(0)",
                    str(r), str(WORLD), str(port), str(out), json.dumps(spec)]
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         bar = None

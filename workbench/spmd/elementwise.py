@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-from torch.distributed.tensor._ops._pointwise_ops import _common_pointwise_single_dim_strategy
+from workbench.compat import BINARY_ADDITIVE_RULES, RuntimeSchemaInfo, TensorMeta, common_pointwise_single_dim_strategy
 
 from workbench.spmd.registry import (RULES, Case, case, dispatch_past_handler, single_dim_strategy,
                                      torch_strategy_dispatch)
@@ -49,7 +48,7 @@ _P = {r: Partial(r) for r in ("sum", "avg", "max", "min")}
 
 def _pointwise(op, args_meta, kwargs_meta, extra_rows):
     """Torch's own pointwise rows (shards follow broadcasting) plus ``extra_rows`` of matching length."""
-    return _common_pointwise_single_dim_strategy(partial_extra_rules=extra_rows)(op, args_meta, kwargs_meta)
+    return common_pointwise_single_dim_strategy(partial_extra_rules=extra_rows)(op, args_meta, kwargs_meta)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,10 +171,7 @@ def add_scalar(op, args_meta, kwargs_meta):
     "torch's rule, plus: DTensor + Python number keeps Partial(avg|max|min) (torch all-reduces)",
 )
 def add_tensor(op, args_meta, kwargs_meta):
-    from torch.distributed.tensor._dtensor_spec import TensorMeta
-    from torch.distributed.tensor._ops._pointwise_ops import _BINARY_ADDITIVE_RULES
-
-    extra = list(_BINARY_ADDITIVE_RULES)
+    extra = list(BINARY_ADDITIVE_RULES)
     # Only `x + c` / `x - c` with x the DTensor: `c - x` would turn max into min.
     if len(args_meta) > 1 and isinstance(args_meta[0], TensorMeta) and isinstance(args_meta[1], (int, float, bool)):
         extra += _SHIFT

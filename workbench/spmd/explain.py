@@ -32,7 +32,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch._ops import OpOverload, OpOverloadPacket
+
+from workbench import compat
+from workbench.compat import OpOverload, OpOverloadPacket
 
 # --------------------------------------------------------------------------------------------------
 # Resolving the op, the mesh and example inputs
@@ -86,19 +88,25 @@ def _case_for(op: OpOverload):
     return None
 
 
-class _Capture(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self, op: OpOverload):
-        super().__init__()
-        self.op, self.args, self.kwargs = op, None, None
+def _capture_mode(op: OpOverload):
+    """A dispatch mode that keeps a copy of the first call's arguments to ``op``."""
+    tree_map = compat.get("pytree").tree_map
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func == self.op and self.args is None:
-            clone = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
-            self.args = torch.utils._pytree.tree_map(clone, tuple(args))
-            self.kwargs = torch.utils._pytree.tree_map(clone, dict(kwargs))
-        return out
+    class Capture(compat.get("TorchDispatchMode")):
+        def __init__(self):
+            super().__init__()
+            self.op, self.args, self.kwargs = op, None, None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if func == self.op and self.args is None:
+                clone = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
+                self.args = tree_map(clone, tuple(args))
+                self.kwargs = tree_map(clone, dict(kwargs))
+            return out
+
+    return Capture()
 
 
 def example_args(op: OpOverload, shapes: list | None = None, args: tuple | None = None,
@@ -123,7 +131,7 @@ def example_args(op: OpOverload, shapes: list | None = None, args: tuple | None 
     rg = set(case.requires_grad)
     dense = [x.detach().clone().requires_grad_(i in rg) if isinstance(x, torch.Tensor) else x
              for i, x in enumerate(inputs)]
-    cap = _Capture(op)
+    cap = _capture_mode(op)
     with cap:
         out = case.fn(*dense)
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
@@ -234,11 +242,8 @@ class Explanation:
 
 @contextlib.contextmanager
 def _record_redistributions(comm, log: list):
-    import torch.distributed.tensor._api as api
-    import torch.distributed.tensor._dispatch as dispatch
-    import torch.distributed.tensor._redistribute as redistribute
-
-    orig = redistribute.redistribute_local_tensor
+    mods = compat.redistribute_hook_modules()
+    orig = compat.get("redistribute_local_tensor")
 
     def wrapped(local, current_spec, target_spec, **kw):
         mark = comm.mark()
@@ -247,7 +252,6 @@ def _record_redistributions(comm, log: list):
                     "shape": list(current_spec.shape), "collectives": comm.since(mark)})
         return out
 
-    mods = (api, dispatch, redistribute)
     saved = [m.redistribute_local_tensor for m in mods]
     for m in mods:
         m.redistribute_local_tensor = wrapped
@@ -260,9 +264,9 @@ def _record_redistributions(comm, log: list):
 
 def _run_once(op: OpOverload, args: tuple, kwargs: dict, specs: list, mesh) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, Replicate
-    from torch.utils import _pytree as pytree
-
     from workbench.spmd import registry
+
+    pytree = compat.get("pytree")
     from workbench.spmd.comm import CommBytesMode
     from workbench.spmd.placements import format_placements, make_dtensor
 
@@ -318,13 +322,15 @@ def _explain_here(op: OpOverload, specs_text: list, mesh_obj, args, kwargs, sour
 
     specs = [parse_placements(s, mesh_obj.ndim) for s in specs_text]
     rule = registry.RULES.get(op)
-    ours_active = rule is not None and registry.installed()
-    res = _run_once(op, args, kwargs, specs, mesh_obj)
-    with registry.torch_rules():
-        try:
-            base = _run_once(op, args, kwargs, specs, mesh_obj)
-        except ValueError as e:
-            base = {"outputs": [], "total_bytes": None, "redistributions": [], "collectives": [], "error": str(e)}
+    with registry.our_rules():  # ours for this call only; DTensor is left as it was
+        ours_active = rule is not None and registry.installed()
+        res = _run_once(op, args, kwargs, specs, mesh_obj)
+        with registry.torch_rules():
+            try:
+                base = _run_once(op, args, kwargs, specs, mesh_obj)
+            except ValueError as e:
+                base = {"outputs": [], "total_bytes": None, "redistributions": [], "collectives": [],
+                        "error": str(e)}
     decided = "ours" if ours_active and not res["fell_back"] else "torch"
     notes = []
     if ours_active and res["fell_back"]:
@@ -332,8 +338,8 @@ def _explain_here(op: OpOverload, specs_text: list, mesh_obj, args, kwargs, sour
     if decided == "ours" and not base.get("error") and base["outputs"] == res["outputs"] and \
             base["total_bytes"] == res["total_bytes"]:
         notes.append("torch's rule reaches the same plan for these placements")
-    if rule is not None and not registry.installed():
-        notes.append("our rules are not installed (WORKBENCH_SPMD=0 or uninstall()); this is torch's decision")
+    if rule is not None and not ours_active:
+        notes.append("our rules could not be installed on this torch (see workbench doctor); this is torch's decision")
     return Explanation(
         op=str(op), mesh=list(mesh_obj.shape), inputs=res["inputs"], outputs=res["outputs"],
         redistributions=res["redistributions"], collectives=res["collectives"], total_bytes=res["total_bytes"],
@@ -370,7 +376,7 @@ def explain(op: Any, *input_specs: Any, mesh: Any = "2x2", shapes: list | None =
                              "call it outside torchrun or pass mesh=<your DeviceMesh>")
         return _explain_subprocess(op, specs_text, shape, shapes)
     dense_args, dense_kwargs, source = example_args(op, shapes, args, kwargs)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    FakeStore = compat.get("FakeStore")
 
     world = 1
     for s in shape:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from workbench.compat import compute_local_shape_and_global_offset
 
 from workbench.spmd.reductions import plain_placements, shard_shape, wrap
 from workbench.spmd.registry import Case, case, handler, torch_dispatch

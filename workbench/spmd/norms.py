@@ -70,12 +70,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from workbench.compat import (AsyncCollectiveTensor, DTensorSpec, TensorMeta, funcol,  # noqa: I001
+                              redistribute_local_tensor)
 
 from workbench.spmd.reductions import contiguous_stride
 from workbench.spmd.registry import Case, case, handler, torch_dispatch
@@ -197,7 +195,7 @@ def _strided_channels_only(x: DTensor) -> bool:
     the reduction set to all-reduce torch's rule moves no more bytes (2x2 mesh, x ``[S(1), S(0)]``:
     torch 0 bytes, gathering 2880) and these placements stay torch's.
     """
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from workbench.compat import StridedShard as _StridedShard
 
     ps = x.placements
     return any(isinstance(p, _StridedShard) for p in ps) and all(

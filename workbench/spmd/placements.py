@@ -80,7 +80,7 @@ def _partial_piece(t: torch.Tensor, reduce_op: str, coord: int, size: int) -> to
 
 def make_dtensor(t: torch.Tensor, mesh, placements: Sequence[Placement], requires_grad: bool = False) -> DTensor:
     """A DTensor on ``mesh`` whose full value is ``t``, built from local data only (no collectives)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from workbench.compat import compute_local_shape_and_global_offset
 
     placements = tuple(placements)
     local = t

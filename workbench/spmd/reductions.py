@@ -38,10 +38,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from workbench.compat import DTensorSpec, TensorMeta, compute_local_shape_and_global_offset, funcol
 
 from workbench.spmd.registry import Case, case, handler, torch_dispatch
 

@@ -23,8 +23,8 @@ handler is therefore wrapped with :func:`normalize_multi_shard`, which keeps suc
 of those mesh dims and replicates over the others (one all-gather over the smaller dims) instead of
 failing. Pass ``multi_shard=None`` to ``handler`` for a rule that handles these layouts itself.
 
-``install()`` puts every registered rule into DTensor (``import workbench`` calls it unless the
-environment sets ``WORKBENCH_SPMD=0``), ``uninstall()`` restores torch's rules, and
+``install()`` puts every registered rule into DTensor (``import workbench`` does not: training jobs
+call it, and plans, ``explain`` and ``check`` for their duration), ``uninstall()`` restores torch's rules, and
 ``torch_rules()`` is a context manager that runs a block under torch's defaults (used by the benchmark
 and by ``explain`` to compare).
 
@@ -42,7 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._ops import OpOverload
+
+from workbench import compat
+from workbench.compat import OpOverload
 
 FAMILIES = ("elementwise", "binary", "reduction", "norm", "index", "masked")
 
@@ -172,46 +174,41 @@ def case(c: Case) -> Case:
     return c
 
 
-def _dispatcher():
-    from torch.distributed.tensor import DTensor
-
-    return DTensor._op_dispatcher
-
-
 def _clear_caches() -> None:
-    disp = _dispatcher()
-    disp.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
+    compat.clear_sharding_caches()
 
 
 def _single_dim_info(fn: Callable, torch_info: Any = None) -> Any:
     """Wrap ``fn`` for DTensor; where torch had a single-dim rule for the op, keep its flags (uneven and
     unbacked-symint sharding, inputs on other meshes) so only the rows change."""
-    from torch.distributed.tensor._ops.single_dim_strategy import _SingleDimStrategyInfo
-
-    if torch_info is None or torch_info is _MISSING:
-        return _SingleDimStrategyInfo(func=fn, allow_uneven_sharding=True)
-    return _SingleDimStrategyInfo(func=fn, allow_unbacked_sharding=torch_info.allow_unbacked_sharding,
-                                  allow_uneven_sharding=torch_info.allow_uneven_sharding,
-                                  different_mesh_args=torch_info.different_mesh_args)
+    return compat.single_dim_strategy_info(fn, None if torch_info is _MISSING else torch_info)
 
 
 def install() -> None:
-    """Put every registered rule into DTensor (idempotent)."""
-    disp = _dispatcher()
-    prop = disp.sharding_propagator
+    """Put every registered rule into DTensor (idempotent). ``import workbench`` does not call this:
+    training jobs do (``TrainConfig.spmd_rules``), and plans, ``explain`` and ``check`` for their duration.
+
+    A rule family whose private torch API the running torch lacks was never registered
+    (``workbench.spmd.FAMILY_MODULES``); it is named here in one stderr line, once per process."""
+    from workbench.spmd import warn_skipped_families
+
+    if not compat.check("spmd.registry"):
+        return
+    warn_skipped_families()
+    handlers = compat.custom_op_handlers()
+    prop = compat.sharding_propagator()
     for op, rule in RULES.items():
         if op in _installed:
             continue
         _installed[op] = {
-            "handler": disp._custom_op_handlers.get(op, _MISSING),
+            "handler": handlers.get(op, _MISSING),
             "strategy": prop.op_strategy_funcs.get(op, _MISSING),
             "single_dim": prop.op_single_dim_strategy_funcs.get(op, _MISSING),
             "schema_info": prop.op_to_schema_info.get(op, _MISSING),
             "schema_info_sd": prop.op_to_schema_info_for_single_dim_strategy.get(op, _MISSING),
         }
         if rule.handler is not None:
-            disp._custom_op_handlers[op] = rule.handler
+            handlers[op] = rule.handler
         if rule.strategy is not None:
             # torch consults single-dim strategies first: take torch's out of the way.
             prop.op_single_dim_strategy_funcs.pop(op, None)
@@ -232,10 +229,12 @@ def _restore(d: dict, op: OpOverload, old: Any) -> None:
 
 def uninstall() -> None:
     """Restore torch's own rules for every op we replaced."""
-    disp = _dispatcher()
-    prop = disp.sharding_propagator
+    if not _installed:
+        return
+    handlers = compat.custom_op_handlers()
+    prop = compat.sharding_propagator()
     for op, old in _installed.items():
-        _restore(disp._custom_op_handlers, op, old["handler"])
+        _restore(handlers, op, old["handler"])
         _restore(prop.op_strategy_funcs, op, old["strategy"])
         _restore(prop.op_single_dim_strategy_funcs, op, old["single_dim"])
         _restore(prop.op_to_schema_info, op, old["schema_info"])
@@ -247,8 +246,8 @@ def uninstall() -> None:
 def torch_rule_kind(op: OpOverload) -> str | None:
     """How torch itself decides ``op`` on DTensors: 'handler', 'single_dim', 'strategy', 'rule',
     'decomposition', or None (no rule: DTensor raises)."""
-    disp = _dispatcher()
-    prop = disp.sharding_propagator
+    handlers = compat.custom_op_handlers()
+    prop = compat.sharding_propagator()
     saved = _installed.get(op)
 
     def had(d: dict, key: str) -> bool:
@@ -256,7 +255,7 @@ def torch_rule_kind(op: OpOverload) -> str | None:
             return saved[key] is not _MISSING
         return op in d
 
-    if had(disp._custom_op_handlers, "handler"):
+    if had(handlers, "handler"):
         return "handler"
     if had(prop.op_single_dim_strategy_funcs, "single_dim"):
         return "single_dim"
@@ -265,19 +264,29 @@ def torch_rule_kind(op: OpOverload) -> str | None:
     if op in prop.op_to_rules:
         return "rule"
     try:
-        from torch.distributed.tensor._sharding_prop import DecompShardingStrategy
-
-        if DecompShardingStrategy.has_decomp(op):
+        if compat.get("DecompShardingStrategy").has_decomp(op):
             return "decomposition"
-    except Exception:  # pragma: no cover - private API moved
+    except compat.MissingTorchAPI:  # torch 2.11 has no decomposition-based propagation
         pass
-    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+    if compat.has_composite_implicit_kernel(op):
         return "decomposition"
     return None
 
 
 def installed() -> bool:
     return bool(_installed)
+
+
+@contextlib.contextmanager
+def our_rules() -> Iterator[None]:
+    """Run a block with our rules installed, then leave DTensor as it was (for plans, explain, check)."""
+    was = installed()
+    install()
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()
 
 
 @contextlib.contextmanager
@@ -304,18 +313,18 @@ def torch_dispatch(op_call: OpOverload, args: tuple, kwargs: dict) -> Any:
 def dispatch_past_handler(op_call: OpOverload, args: tuple, kwargs: dict) -> Any:
     """Run ``op_call`` through DTensor's sharding propagation, skipping our handler for it (our strategy or
     single-dim rule for it, if any, still decides; not counted as a fallback to torch)."""
-    disp = _dispatcher()
-    ours = disp._custom_op_handlers.pop(op_call, None)
+    handlers = compat.custom_op_handlers()
+    ours = handlers.pop(op_call, None)
     old = _installed.get(op_call, {}).get("handler", _MISSING)
     if old is not _MISSING:
-        disp._custom_op_handlers[op_call] = old
+        handlers[op_call] = old
     try:
         return op_call(*args, **(kwargs or {}))
     finally:
         if ours is not None:
-            disp._custom_op_handlers[op_call] = ours
+            handlers[op_call] = ours
         elif old is not _MISSING:
-            disp._custom_op_handlers.pop(op_call, None)
+            handlers.pop(op_call, None)
 
 
 def torch_strategy_dispatch(op_call: OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -372,7 +381,8 @@ def normalize_multi_shard(args: Any) -> Any:
     ``args, kwargs = normalize_multi_shard((args, kwargs))``.
     """
     from torch.distributed.tensor import DTensor
-    from torch.utils import _pytree as pytree
+
+    pytree = compat.get("pytree")
 
     def fix(x: Any) -> Any:
         if isinstance(x, DTensor):

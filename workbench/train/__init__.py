@@ -1,5 +1,5 @@
 """Training: the per-rank loop, the torchrun launcher and the event stream."""
 
-from workbench.train.launcher import Run, RunError, RunFailed, build_job, launch
+from workbench.train.launcher import Run, RunFailed, build_job, launch
 
-__all__ = ["launch", "build_job", "Run", "RunFailed", "RunError"]
+__all__ = ["launch", "build_job", "Run", "RunFailed"]

@@ -3,7 +3,8 @@
 ``python -m workbench.train.agent RUN_DIR NPROC`` calls ``torch.distributed.run.run`` (exactly what the
 ``torchrun`` command does) in standalone mode. When a rank dies, torchrun stops the others and raises
 ``ChildFailedError`` with each failed rank's exit code; we pick the rank that caused it (a crash or a
-signal, not a peer that merely lost its connection to the dead rank) and write a ``run_end`` event.
+signal, not a peer that merely lost its connection to the dead rank: ``workbench.train.outcome``) and write
+a ``run_end`` event.
 """
 
 from __future__ import annotations
@@ -13,52 +14,8 @@ import signal
 import sys
 
 from workbench.train.events import LAUNCHER_RANK, EventWriter, read_events
-from workbench.train.lifeline import follow_parent
-
-# Messages a healthy rank raises when a peer dies under it: they are consequences, not causes.
-_PEER_LOSS = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "socket closed",
-    "read error",
-    "timed out",
-    "nccl communicator was aborted",
-)
-
-
-def _is_secondary(message: str) -> bool:
-    text = message.lower()
-    return any(p in text for p in _PEER_LOSS)
-
-
-def describe_exit(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"killed by {name} (exit {exitcode})"
-    return f"exited with code {exitcode}"
-
-
-def root_cause(failures: dict[int, object], errors: dict[int, dict]) -> int:
-    """The rank to blame among torchrun's failures, given each rank's ``error`` event (if any)."""
-
-    def score(rank: int) -> tuple:
-        f = failures[rank]
-        err = errors.get(rank)
-        if err is not None:  # it raised: a cause unless the error is a lost connection to a peer
-            text = err.get("message", "") + err.get("traceback", "")
-            kind = 2 if _is_secondary(text) else 0
-        elif f.exitcode < 0 and -f.exitcode not in (signal.SIGTERM, signal.SIGINT):
-            kind = 0  # SIGKILL, SIGSEGV, SIGABRT...: torchrun itself only ever sends SIGTERM
-        else:
-            kind = 1  # stopped by torchrun's clean-up, or exited non-zero without saying why
-        when = err["time"] if err is not None else float(f.timestamp)
-        return (kind, when, rank)
-
-    return min(failures, key=score)
+from workbench.lifeline import follow_parent
+from workbench.train.outcome import describe_exit, root_cause
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         for e in read_events(run_dir):
             if e["type"] == "error" and e["rank"] not in errors:
                 errors[e["rank"]] = e
-        rank = root_cause(exc.failures, errors)
+        exits = {r: (f.exitcode, float(f.timestamp)) for r, f in exc.failures.items()}
+        rank = root_cause(errors, exits)
         f = exc.failures[rank]
         err = errors.get(rank, {})
         how = describe_exit(f.exitcode)

@@ -19,36 +19,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import pandas as pd
 
 from workbench.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, resolve_model, validate
+from workbench.settings import make_configs
+from workbench.display import RendersInNotebook
 from workbench.train.events import LAUNCHER_RANK, EventReader, follow
+from workbench.train.outcome import RunFailed, root_cause
 
-
-class RunFailed(RuntimeError):
-    """A rank failed. ``rank`` names it; ``traceback`` is its Python traceback when it had one."""
-
-    def __init__(self, rank: int | None, message: str, traceback: str = "", run_dir: str = ""):
-        self.rank, self.message, self.traceback, self.run_dir = rank, message, traceback, run_dir
-        where = f"rank {rank}" if rank is not None else "the launcher"
-        super().__init__(f"{where} failed: {message}")
-
-
-@dataclass
-class RunError:
-    rank: int | None
-    message: str
-    traceback: str
-
-    def __str__(self) -> str:
-        where = f"rank {self.rank}" if self.rank is not None else "the launcher"
-        return f"{where} failed: {self.message}"
+METRIC_COLUMNS = ["rank", "step", "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr", "time"]
 
 
 def _terminate_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -68,8 +53,13 @@ def _terminate_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         proc.wait()
 
 
-class Run:
-    """A launched job. Evaluate it in a notebook for a summary; ``run.metrics`` for the numbers."""
+class Run(RendersInNotebook):
+    """A launched job. Evaluate it in a notebook for a summary; ``run.metrics`` for the numbers.
+
+    Everything a view shows is answered here, from the run's event stream: :attr:`status`,
+    :meth:`history` (per-rank metrics), :meth:`root_cause` (the failing rank, its message and traceback),
+    :attr:`started_ranks`, and :meth:`events_since` for views that draw other events as they come.
+    """
 
     def __init__(self, job: JobConfig, run_dir: Path, proc: subprocess.Popen, log_path: Path):
         self.job, self.run_dir, self._proc, self.log_path = job, run_dir, proc, log_path
@@ -78,6 +68,10 @@ class Run:
         self._stop_requested = False
         self._reader = EventReader(run_dir)
         self._events: list[dict[str, Any]] = []
+        self._steps: dict[int, list[dict[str, Any]]] = {}  # rank -> its step events, in order
+        self._first_errors: dict[int, dict[str, Any]] = {}  # rank -> its first error event
+        self._started: set[int] = set()
+        self._read_lock = threading.Lock()  # a view's poller thread and the user's cell both read
         # If the Run is garbage-collected or the kernel exits, the ranks go with it.
         self._finalizer = weakref.finalize(self, _terminate_group, proc, 2.0)
 
@@ -110,8 +104,28 @@ class Run:
 
     def _all_events(self) -> list[dict[str, Any]]:
         """Every event so far; reads only what was appended since the last call."""
-        self._events.extend(self._reader.read_new())
+        with self._read_lock:
+            new = self._reader.read_new()
+            for e in new:
+                kind, rank = e.get("type"), e.get("rank")
+                if kind == "step":
+                    self._steps.setdefault(rank, []).append(e)
+                elif kind == "error":
+                    self._first_errors.setdefault(rank, e)
+                elif kind == "start":
+                    self._started.add(rank)
+            self._events.extend(new)
         return self._events
+
+    def events_since(self, n: int = 0) -> list[dict[str, Any]]:
+        """The events after the first ``n`` (read so far, in file order): a view keeps ``n`` and asks again."""
+        return self._all_events()[n:]
+
+    @property
+    def started_ranks(self) -> set[int]:
+        """The ranks that have started (built their process group)."""
+        self._all_events()
+        return set(self._started)
 
     def _run_end(self) -> dict[str, Any] | None:
         for e in reversed(self._all_events()):
@@ -120,14 +134,31 @@ class Run:
         return None
 
     @property
-    def error(self) -> RunError | None:
+    def error(self) -> RunFailed | None:
+        """Why the run failed (not raised), once it has ended as "failed"; None otherwise."""
         if not self.done or self.status != "failed":
             return None
-        end = self._run_end()
-        if end is None:  # the agent itself died before it could report
-            tail = self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
-            return RunError(None, f"launcher exited with code {self.returncode}", tail)
-        return RunError(end.get("failed_rank"), end.get("message", ""), end.get("traceback", ""))
+        return self.root_cause()
+
+    def root_cause(self) -> RunFailed | None:
+        """The rank to blame, its message and traceback (not raised), or None while no rank has failed.
+
+        After a failed run: what the launcher decided (its ``run_end`` event). While the run goes on, or
+        if it was stopped: the first rank that raised, by the same rule (``workbench.train.outcome``).
+        """
+        run_dir = str(self.run_dir)
+        if self.done and self.status == "failed":
+            end = self._run_end()
+            if end is None:  # the agent itself died before it could report
+                tail = self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+                return RunFailed(None, f"launcher exited with code {self.returncode}", tail, run_dir)
+            return RunFailed(end.get("failed_rank"), end.get("message", ""), end.get("traceback", ""), run_dir)
+        self._all_events()
+        rank = root_cause(self._first_errors)
+        if rank is None:
+            return None
+        e = self._first_errors[rank]
+        return RunFailed(rank, e.get("message", ""), e.get("traceback", ""), run_dir)
 
     # -- control ------------------------------------------------------------------------------
     def events(self, poll_s: float = 0.1) -> Iterator[dict[str, Any]]:
@@ -150,7 +181,7 @@ class Run:
             raise
         err = self.error
         if err is not None and raise_on_error:
-            raise RunFailed(err.rank, err.message, err.traceback, str(self.run_dir))
+            raise err
         return self
 
     def stop(self, grace_s: float = 5.0) -> "Run":
@@ -165,15 +196,17 @@ class Run:
     def metrics(self) -> pd.DataFrame:
         """One row per (rank, step): loss, tokens_per_s, step_time_s, mem_bytes, grad_norm, lr, time, and any
         layout-specific fields (``peak_mem_bytes`` for pipeline runs, ``aux_loss`` for mixture of experts)."""
-        rows = [e for e in self._all_events() if e["type"] == "step"]
-        cols = ["rank", "step", "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr", "time"]
+        self._all_events()
+        rows = [e for steps in self._steps.values() for e in steps]
         if not rows:
-            return pd.DataFrame(columns=cols)
-        df = pd.DataFrame(rows)
-        # the fixed columns first, then what some layouts add (peak_mem_bytes under pp, aux_loss for MoE)
-        extra = [c for c in df.columns if c not in cols and c != "type"]
-        ordered = [c for c in cols if c in df.columns] + extra
-        return df[ordered].sort_values(["step", "rank"]).reset_index(drop=True)
+            return pd.DataFrame(columns=METRIC_COLUMNS)
+        return _metric_frame(rows).sort_values(["step", "rank"]).reset_index(drop=True)
+
+    def history(self) -> dict[int, pd.DataFrame]:
+        """Per-rank metrics so far: ``rank -> frame`` with one row per logged step, in step order (the
+        columns of :attr:`metrics`). Live: call it again for what has arrived since."""
+        self._all_events()
+        return {rank: _metric_frame(steps) for rank, steps in sorted(self._steps.items())}
 
     def losses(self, rank: int = 0) -> list[float]:
         df = self.metrics
@@ -212,6 +245,13 @@ class Run:
         return f"<table><caption>Run</caption>{rows}</table>"
 
 
+def _metric_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    # the fixed columns first, then what some layouts add (peak_mem_bytes under pp, aux_loss for MoE)
+    extra = [c for c in df.columns if c not in METRIC_COLUMNS and c != "type"]
+    return df[[c for c in METRIC_COLUMNS if c in df.columns] + extra]
+
+
 def _default_run_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="workbench-run-"))
 
@@ -220,28 +260,17 @@ def build_job(
     model: str | Path | ModelConfig | dict = "tiny",
     *,
     nproc: int | None = None,
-    parallel: ParallelConfig | None = None,
-    train: TrainConfig | None = None,
-    dp_replicate: int = 1,
-    dp_shard: int = -1,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    zero: int = 3,
-    ep: int = 1,
-    pp: int = 1,
-    pp_schedule: str = "1F1B",
-    microbatches: int | None = None,
-    **train_fields: Any,
+    parallel: ParallelConfig | dict | None = None,
+    train: TrainConfig | dict | None = None,
+    **settings: Any,
 ) -> JobConfig:
-    """Resolve and validate every setting; raises one ValueError naming the fix."""
+    """Resolve and validate every setting; raises one ValueError naming the fix.
+
+    ``settings`` are shortcuts for single fields of either config (``tp=2``, ``steps=20``); they are
+    applied over ``parallel``/``train`` (default: the configs' defaults).
+    """
     mcfg = resolve_model(model)
-    pcfg = parallel or ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-                                      sequence_parallel=sequence_parallel, zero=zero, ep=ep,
-                                      pp=pp, pp_schedule=pp_schedule, microbatches=microbatches)
-    unknown = set(train_fields) - {f for f in TrainConfig.__dataclass_fields__}
-    if unknown:
-        raise ValueError(f"unknown training setting(s) {sorted(unknown)}; known: {sorted(TrainConfig.__dataclass_fields__)}")
-    tcfg = train or TrainConfig(**train_fields)
+    pcfg, tcfg = make_configs(parallel, train, what="training setting", **settings)
     validate(mcfg, pcfg)  # model-shape problems first: they don't depend on nproc
     pcfg = pcfg.resolved(nproc)
     validate(mcfg, pcfg, tcfg)
@@ -261,34 +290,49 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
-def check_fits_in_memory(job: JobConfig, available: int | None = None) -> None:
-    """Refuse a job whose training state cannot fit in this machine's memory, before starting it.
+def training_state_bytes(job: JobConfig) -> int:
+    """Bytes of training state the job's ranks hold together on this machine (all of them are local):
+    each rank's total from the job's simulated :class:`~workbench.plan.ShardingPlan` (its shard of
+    weights, gradients, AdamW moments and fp32 masters), summed over ranks."""
+    from workbench.plan import plan
 
-    Each rank holds its shard of fp32 weights, gradients and Adam's two moments (16 bytes/param), and
-    every rank's model is first built whole (4 bytes/param) before it is sharded. Activations are
-    extra; this is a floor, meant to catch "llama-70b on a laptop", not to plan memory.
+    return int(plan(job.model, job.parallel, job.train).rank_bytes()["total"].sum())
+
+
+def memory_shortfall(job: JobConfig, available: int | None = None) -> str | None:
+    """The one memory-feasibility rule: why ``job`` cannot fit in this machine's memory, or None.
+
+    The need is what the plan says the ranks hold (:func:`training_state_bytes`); ranks build only
+    their own shards, so nothing larger is ever allocated while the model is set up. Activations are
+    extra: this is a floor, meant to catch "llama-70b on a laptop", not to plan memory. Jobs that
+    train on CUDA devices are left to the allocator, whose OOM message is clear.
     """
-    if torch_cuda_available():
-        return  # device memory is checked by the allocator, with a clear OOM message
-    available = _available_memory_bytes() if available is None else available
-    if available is None:
-        return
-    p = job.parallel
-    n = job.model.n_params
-    per_rank = n * 16 // (p.dp_shard * p.tp) + n * 4
-    need = per_rank * p.world_size
-    if need > 0.9 * available:
-        raise ValueError(
-            f"{job.model.name} ({n / 1e9:.2f}B params) needs at least {need / 2**30:.1f} GiB for weights, "
-            f"grads and optimizer state on {p.world_size} local rank(s), but {available / 2**30:.1f} GiB is "
-            f"available; choose a smaller model (e.g. tiny or small)"
-        )
-
-
-def torch_cuda_available() -> bool:
     import torch
 
-    return torch.cuda.is_available()
+    if torch.cuda.is_available() and os.environ.get("WORKBENCH_DEVICE", "") != "cpu":
+        return None
+    available = _available_memory_bytes() if available is None else available
+    if available is None:
+        return None
+    # Fast path, same verdict: no rank holds more than every parameter in 5 copies (weight, gradient,
+    # 2 AdamW moments, master) of at most 8 bytes, so if that fits, the plan's smaller need fits too.
+    if job.model.n_params * 5 * 8 * job.parallel.world_size <= 0.9 * available:
+        return None
+    need = training_state_bytes(job)
+    if need <= 0.9 * available:
+        return None
+    n, world = job.model.n_params, job.parallel.world_size
+    return (f"{job.model.name} ({n / 1e9:.2f}B params) needs at least {need / 2**30:.1f} GiB for weights, grads "
+            f"and optimizer state on {world} local rank(s), but {available / 2**30:.1f} GiB is available; "
+            "choose a smaller model (e.g. tiny or small)")
+
+
+def check_fits_in_memory(job: JobConfig, available: int | None = None) -> None:
+    """Refuse a job whose training state cannot fit in this machine's memory, before starting it
+    (ValueError with :func:`memory_shortfall`'s one line)."""
+    problem = memory_shortfall(job, available)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _checkpoint_paths(job: JobConfig, run_dir: Path) -> JobConfig:
@@ -312,19 +356,18 @@ def launch(
     *,
     out: str | Path | None = None,
     nproc: int | None = None,
+    parallel: ParallelConfig | dict | None = None,
+    train: TrainConfig | dict | None = None,
     fail_at: dict[str, int] | None = None,
     **settings: Any,
 ) -> Run:
     """Validate, write ``RUN_DIR/config.json``, start torchrun, and return the live :class:`Run`.
 
-    ``settings`` are ParallelConfig degrees (``dp_replicate``, ``dp_shard``, ``tp``, ``sequence_parallel``,
-    ``zero``, ``pp``, ``pp_schedule``, ``microbatches``) or whole configs (``parallel=``, ``train=``), and TrainConfig fields (``steps``,
-    ``global_batch``, ``micro_batch``, ``seq_len``, ``lr``, ``seed``, ``dtype``, ``data``,
-    ``mixed_precision``, ``activation_checkpointing``, ``ac_every``, ...), and checkpointing
-    (``ckpt_every``, ``ckpt_async``, ``zero_stall``, ``keep``, ``keep_every``, ``ckpt_dir``, ``ema``,
-    ``resume="latest"`` or a path: a different layout than the one saved works).
+    ``parallel`` and ``train`` are the configs (:class:`ParallelConfig`, :class:`TrainConfig`).
+    ``settings`` are shortcuts for any of their fields (``tp=2``, ``steps=20``, ``resume="latest"``),
+    applied over them; ``nproc`` fills ``dp_shard=-1`` (default: the product of the degrees).
     """
-    job = build_job(model, nproc=nproc, **settings)
+    job = build_job(model, nproc=nproc, parallel=parallel, train=train, **settings)
     if fail_at is not None:
         job = JobConfig(job.model, job.parallel, job.train, fail_at=fail_at)
     run_dir = Path(out) if out is not None else _default_run_dir()
@@ -352,4 +395,4 @@ def launch(
     return Run(job, run_dir, proc, log_path)
 
 
-__all__ = ["launch", "build_job", "Run", "RunFailed", "RunError", "EventReader"]
+__all__ = ["launch", "build_job", "Run", "RunFailed", "EventReader"]

@@ -26,8 +26,7 @@ from workbench.checkpoint.state import TrainState, model_view
 from workbench.config import JobConfig, TrainConfig
 from workbench.mesh import build_mesh, dp_rank
 from workbench.memory.probe import PeakMemoryProbe
-from workbench.models import build_model
-from workbench.parallel.apply import build_optimizer, parallelize
+from workbench.parallel.build import build_stages
 from workbench.parallel.pipeline import build_pipeline
 from workbench.parallel.expert import load_balancing_loss
 from workbench.parallel.precision import compute_context
@@ -184,32 +183,37 @@ def train(job: JobConfig, run_dir: str) -> None:
     mcfg, pcfg, tcfg = job.model, job.parallel, job.train
     timeout = timedelta(seconds=float(os.environ.get("WORKBENCH_PG_TIMEOUT_S", "120")))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    if tcfg.spmd_rules:  # our DTensor sharding rules, in this job's processes only (recorded in config.json)
+        from workbench import spmd
+
+        spmd.install()
     try:
         mesh = build_mesh(pcfg, device.type) if world > 1 else None
         torch.manual_seed(tcfg.seed)
-        model = build_model(mcfg, seed=tcfg.seed, device=device)
-        if tcfg.dtype == "bfloat16":
-            model = model.to(torch.bfloat16)
+        # The one build path (plans use it too): meta model -> this rank's stages, sharded -> only the
+        # local blocks allocated and initialised. The probe measures what the build allocates.
+        build_probe = PeakMemoryProbe(device)
+        build_probe.reset_peak()
+        with build_probe:
+            stages = build_stages(mcfg, pcfg, tcfg, mesh, device)
+        build_peak = build_probe.peak()
+        model = stages.model
         pipe = probe = pp_group = None
-        if pcfg.pp > 1:  # this rank's pipeline stages, each parallelized (tp, ac, fsdp) like a whole model
-            pipe = build_pipeline(model, pcfg, mesh, device, lambda stage: parallelize(stage, pcfg, mesh, tcfg))
-            model = torch.nn.ModuleList(pipe.modules)
+        if pcfg.pp > 1:  # this rank's pipeline stages, driven by the schedule
+            pipe = build_pipeline(stages, pcfg, mesh)
             pp_group = mesh["pp"].get_group()
             probe = PeakMemoryProbe(device).track(model.parameters())
             events.emit("pipeline", schedule=pcfg.pp_schedule, microbatches=pipe.n_microbatches,
                         stages={str(s): layers for s, layers in pipe.layers.items()})
-        else:
-            model = parallelize(model, pcfg, mesh, tcfg)
         params = list(model.parameters())
         local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
         param_dtype = ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
         events.emit("start", pid=os.getpid(), world_size=world, layout=pcfg.describe(),
                     local_params=local_params, n_params=mcfg.n_params, device=str(device),
                     zero=pcfg.zero, mixed_precision=tcfg.mixed_precision, param_dtype=param_dtype,
-                    activation_checkpointing=tcfg.activation_checkpointing)
+                    activation_checkpointing=tcfg.activation_checkpointing, build_peak_bytes=build_peak)
 
-        opt = build_optimizer(model, pcfg, mesh, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
-                              betas=(0.9, 0.95), foreach=False)
+        opt = stages.optimizer(pcfg, mesh, tcfg)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tcfg))
         ema = EMA(model_view(model), tcfg.ema) if tcfg.ema else None
         state = TrainState(model, opt, sched, ema, rank=rank)

@@ -11,7 +11,7 @@ import sys
 import traceback
 
 from workbench.config import JobConfig
-from workbench.train.lifeline import follow_parent
+from workbench.lifeline import exit_now, follow_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,18 +36,6 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     return 0
-
-
-def exit_now(code: int) -> None:
-    """Exit without running C++ static destructors (every gloo worker process should end this way).
-
-    Every event has been written with an unbuffered os.write; what remains at interpreter exit is the
-    destruction of gloo/c10d thread objects, which occasionally races and aborts a rank that finished
-    cleanly ("terminate called without an active exception", SIGABRT: ~2% of 2-rank runs under load).
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

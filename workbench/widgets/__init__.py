@@ -1,17 +1,21 @@
 """Notebook views over the core: ipywidgets + plotly, thin (they call core APIs and render core objects).
 
-The core never imports this package; importing it pulls in ipywidgets and plotly.
+The core never imports this package. Importing it pulls in ipywidgets and plotly, and registers the
+view of each core type with :mod:`workbench.display`, which imports this package by name the first
+time a core object is displayed in a notebook.
 """
 
+from workbench.checkpoint.manifest import CheckpointManifest
+from workbench.display import register_view
+from workbench.plan.types import ShardingPlan
+from workbench.widgets.checkpoint_browser import CheckpointBrowser
 from workbench.widgets.dashboard import RunDashboard
+from workbench.widgets.plan_view import ShardingPlanView
 from workbench.widgets.plots import plot_losses, plot_pipeline_timeline, plot_tokens_per_expert, run_label
 
-__all__ = ["RunDashboard", "plot_losses", "plot_pipeline_timeline", "plot_tokens_per_expert", "run_label"]
+register_view(ShardingPlan, ShardingPlanView)
+register_view(CheckpointManifest, CheckpointBrowser)
+# A Run has no widget of its own: it shows its summary table (Run._repr_html_); RunDashboard launches runs.
 
-from workbench.widgets.checkpoint_browser import CheckpointBrowser  # noqa: E402
-
-__all__ += ["CheckpointBrowser"]
-
-from workbench.widgets.plan_view import ShardingPlanView  # noqa: E402
-
-__all__ += ["ShardingPlanView"]
+__all__ = ["RunDashboard", "CheckpointBrowser", "ShardingPlanView", "plot_losses", "plot_pipeline_timeline",
+           "plot_tokens_per_expert", "run_label"]

@@ -17,7 +17,6 @@ Everything a button does is also a method, so notebooks and tests drive it witho
 from __future__ import annotations
 
 import html
-import math
 import re
 from collections import Counter
 from contextlib import nullcontext
@@ -26,16 +25,18 @@ from typing import Any
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
-import torch
 
 from workbench.checkpoint.diff import CheckpointDiff, diff
 from workbench.checkpoint.formats import open_source
-from workbench.checkpoint.inspect import inspect
-from workbench.checkpoint.manifest import KINDS, CheckpointManifest, human_bytes
+from workbench.checkpoint.contents import inspect
+from workbench.checkpoint.manifest import KINDS, CheckpointManifest
+from workbench.checkpoint.stats import tensor_stats
 from workbench.checkpoint.plan_load import LoadPlan, plan_load
 from workbench.checkpoint.safeload import CheckpointFormatError
 from workbench.checkpoint.verify import VerifyReport, verify
 from workbench.config import ParallelConfig
+from workbench.units import format_bytes
+from workbench.widgets.controls import read_controls, setting_controls, write_controls
 from workbench.widgets.plots import RUN_COLORS
 
 __all__ = ["CheckpointBrowser", "group_of", "plot_shard_map"]
@@ -154,15 +155,14 @@ class CheckpointBrowser(widgets.VBox):
 
         # ---- load-into-layout panel ------------------------------------------------------------------
         layout = self.manifest.layout or {}
-        self.degrees = {name: widgets.BoundedIntText(value=int(layout.get(name, 1) if layout.get(name, 1) != -1 else 1),
-                                                     min=1, max=1 << 20, description=name, layout={"width": "170px"})
-                        for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep")}
+        self.layout_controls = setting_controls("parallel", layout)  # every ParallelConfig setting
         self.weights_only = widgets.Checkbox(value=False, description="weights only (no optimizer)", indent=False)
         self.plan_button = widgets.Button(description="Dry run", icon="check")
         self.plan_button.on_click(lambda _: self.run_plan())
         self.plan_html = widgets.HTML()
-        plan_panel = widgets.VBox([widgets.HBox(list(self.degrees.values())[:3]),
-                                   widgets.HBox(list(self.degrees.values())[3:] + [self.weights_only]),
+        plan_panel = widgets.VBox([widgets.HBox(list(self.layout_controls.values()),
+                                                layout=widgets.Layout(flex_flow="row wrap")),
+                                   self.weights_only,
                                    self.plan_button, self.plan_html])
 
         # ---- verify panel ----------------------------------------------------------------------------
@@ -183,9 +183,9 @@ class CheckpointBrowser(widgets.VBox):
     # ---- listing ---------------------------------------------------------------------------------------
     def _header_html(self) -> str:
         s = self.manifest.summary()
-        kinds = " &middot; ".join(f"{k} {human_bytes(b)}" for k, b in s["bytes_by_kind"].items())
+        kinds = " &middot; ".join(f"{k} {format_bytes(b)}" for k, b in s["bytes_by_kind"].items())
         return (f"<b>{html.escape(s['path'])}</b> ({s['format']}) &mdash; step {s['step']}, "
-                f"{s['n_tensors']} tensors, {human_bytes(s['total_bytes'])}"
+                f"{s['n_tensors']} tensors, {format_bytes(s['total_bytes'])}"
                 + (f", layout <b>{html.escape(s['layout_description'])}</b>" if s["layout_description"] else "")
                 + (f", {s['world_size']} writer rank(s)" if s["world_size"] else "") + f"<br><small>{kinds}</small>")
 
@@ -224,7 +224,7 @@ class CheckpointBrowser(widgets.VBox):
             g = value[len("group:"):]
             keys = [k for k in self.visible_keys() if group_of(k) == g]
             total = sum(self._rows[k]["bytes"] for k in keys)
-            self.info.value = f"<b>{html.escape(g or '(root)')}</b>: {len(keys)} entries, {human_bytes(total)}"
+            self.info.value = f"<b>{html.escape(g or '(root)')}</b>: {len(keys)} entries, {format_bytes(total)}"
             return
         self.select(value)
 
@@ -242,7 +242,7 @@ class CheckpointBrowser(widgets.VBox):
         files = sorted({s["file"] for s in row["shards"] if s.get("file")})
         self.info.value = (f"<b>{html.escape(key)}</b> &mdash; {row['kind']}, {row['dtype']}, global shape "
                            f"{list(row['shape']) if row['shape'] is not None else '(pickled value)'}, "
-                           f"{human_bytes(row['bytes'])}; {len(row['shards'])} shard(s) in {len(files)} file(s)"
+                           f"{format_bytes(row['bytes'])}; {len(row['shards'])} shard(s) in {len(files)} file(s)"
                            + (f", written by rank(s) {ranks}" if ranks else ""))
         if row["shape"] is not None:
             plot_shard_map(row, self.shard_figure)
@@ -258,42 +258,27 @@ class CheckpointBrowser(widgets.VBox):
         return self._source
 
     def load_stats(self, bins: int = 50) -> dict[str, Any]:
-        """Read the selected tensor (only it) and show its statistics and histogram."""
+        """Read the selected tensor (only it) and show its statistics and histogram
+        (:func:`workbench.checkpoint.tensor_stats`). Returns the statistics."""
         if self.selected is None:
             raise ValueError("select a tensor first (click one in the list, or call select(key))")
         try:
-            src = self._tensor_source()
-            canon = next(k for k, v in src.keys.items() if v == self.selected)
-            t = src.get(canon)
-        except (CheckpointFormatError, StopIteration, KeyError) as e:
+            stats = tensor_stats(self._tensor_source(), self.selected, bins=bins)
+        except (CheckpointFormatError, KeyError) as e:
             self.stats_html.value = f"<span style='color:#cf222e'>{html.escape(str(e))}</span>"
             raise
-        x = t.detach().double() if t.is_floating_point() or t.dtype == torch.bool else t.detach().to(torch.float64)
-        finite = x[torch.isfinite(x)]
-        stats = {"key": self.selected, "numel": t.numel(), "dtype": str(t.dtype).removeprefix("torch."),
-                 "min": float(finite.min()) if finite.numel() else math.nan,
-                 "max": float(finite.max()) if finite.numel() else math.nan,
-                 "mean": float(finite.mean()) if finite.numel() else math.nan,
-                 "std": float(finite.std()) if finite.numel() > 1 else 0.0,
-                 "abs_mean": float(finite.abs().mean()) if finite.numel() else math.nan,
-                 "norm": float(finite.norm()) if finite.numel() else 0.0,
-                 "zeros": int((x == 0).sum()), "non_finite": int(t.numel() - finite.numel())}
+        hist = stats.pop("histogram")
         self.stats = stats
         self.stats_html.value = ("<table>" + "".join(
             f"<tr><td>{k}</td><td style='text-align:right'>{v:.6g}</td></tr>" if isinstance(v, float)
             else f"<tr><td>{k}</td><td style='text-align:right'>{v}</td></tr>"
             for k, v in stats.items() if k != "key") + "</table>")
-        if finite.numel():
-            lo, hi = stats["min"], stats["max"]
-            counts = torch.histc(finite, bins=bins, min=lo, max=hi if hi > lo else lo + 1)
-            width = ((hi if hi > lo else lo + 1) - lo) / bins
-            centers = [lo + (i + 0.5) * width for i in range(bins)]
+        if hist["counts"]:
             with self.histogram.batch_update():
                 self.histogram.data = []
-                self.histogram.add_bar(x=centers, y=counts.tolist(), width=width, marker_color=RUN_COLORS[0],
-                                       name=self.selected)
-                self.histogram.layout.title.text = f"{self.selected} ({t.numel():,} values)"
-        del t, x, finite
+                self.histogram.add_bar(x=hist["centers"], y=hist["counts"], width=hist["width"],
+                                       marker_color=RUN_COLORS[0], name=self.selected)
+                self.histogram.layout.title.text = f"{self.selected} ({stats['numel']:,} values)"
         return stats
 
     def run_diff(self, other: "str | Path | CheckpointManifest", values: bool | None = None) -> CheckpointDiff | None:
@@ -317,16 +302,13 @@ class CheckpointBrowser(widgets.VBox):
                                          marker_color=RUN_COLORS[1], name="||a-b|| / ||a||")
         return d
 
-    def run_plan(self, full_state: bool | None = None, **degrees: int) -> LoadPlan | None:
-        """Dry run of loading into the layout in the inputs (``degrees`` override them: ``tp=2`` ...)."""
-        for name, value in degrees.items():
-            if name not in self.degrees:
-                raise TypeError(f"unknown degree {name!r}; choose from {list(self.degrees)}")
-            self.degrees[name].value = value
+    def run_plan(self, full_state: bool | None = None, **layout: Any) -> LoadPlan | None:
+        """Dry run of loading into the layout in the inputs (``layout`` sets them first: ``tp=2`` ...)."""
+        write_controls(self.layout_controls, "parallel", **layout)
         if full_state is not None:
             self.weights_only.value = not full_state
         try:
-            target = ParallelConfig(**{k: w.value for k, w in self.degrees.items()})
+            target = ParallelConfig(**read_controls(self.layout_controls, "parallel"))
             plan = plan_load(self.manifest, target, full_state=not self.weights_only.value)
         except (ValueError, CheckpointFormatError) as e:
             self.plan_html.value = f"<span style='color:#cf222e'>{html.escape(str(e))}</span>"

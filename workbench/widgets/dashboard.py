@@ -2,7 +2,8 @@
 
 A thin view over :func:`workbench.launch` and :class:`workbench.Run`. It holds no training logic: the
 Launch button calls ``launch(...)`` with the control values, and a background thread reads the run's
-``events.jsonl`` (with :class:`EventReader`) every ``poll_s`` seconds and redraws::
+``events.jsonl`` through the :class:`Run` (its history, status and root cause) every ``poll_s`` seconds and
+redraws::
 
     dash = RunDashboard(preset="tiny", nproc=2, dp_shard=2, steps=10)
     dash                     # the widget: controls, progress, loss and tokens/s per rank, errors
@@ -28,15 +29,15 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from workbench.config import PP_SCHEDULES, PRESETS, ParallelConfig
-from workbench.train.launcher import Run, RunFailed, build_job, launch
-from workbench.train.events import EventReader
+from workbench.config import PRESETS, JobConfig, ParallelConfig, TrainConfig
+from workbench.settings import split_settings
+from workbench.train.launcher import Run, build_job, launch, memory_shortfall
+from workbench.widgets.controls import read_controls, setting_controls
 from workbench.widgets.plots import (RANK_DASHES, RUN_COLORS, plot_pipeline_timeline, plot_tokens_per_expert,
                                      run_label)
 
-# Presets above this size are listed last and marked: they are for planning, and the core refuses to
-# launch a model whose training state does not fit in this machine's memory (check_fits_in_memory).
-MAX_TRAINABLE_PARAMS = 200_000_000
+# The training settings the dashboard shows controls for (every ParallelConfig setting gets one).
+TRAIN_CONTROLS = ("data", "steps", "global_batch", "seed")
 
 
 def _human(n: int) -> str:
@@ -47,9 +48,10 @@ def _human(n: int) -> str:
 
 
 def _preset_options() -> list[tuple[str, str]]:
-    """Trainable presets first (smallest first), then the planning-only ones."""
+    """Presets whose training state fits this machine first (smallest first), then the planning-only ones
+    (the core's one memory rule, ``memory_shortfall``, which also refuses them at launch)."""
     names = sorted(PRESETS, key=lambda n: PRESETS[n].n_params)
-    trainable = [n for n in names if PRESETS[n].n_params <= MAX_TRAINABLE_PARAMS]
+    trainable = [n for n in names if memory_shortfall(JobConfig(model=PRESETS[n])) is None]
     planning = [n for n in names if n not in trainable]
     return ([(f"{n} ({_human(PRESETS[n].n_params)} params)", n) for n in trainable]
             + [(f"{n} ({_human(PRESETS[n].n_params)}, plan only)", n) for n in planning])
@@ -57,23 +59,24 @@ def _preset_options() -> list[tuple[str, str]]:
 
 @dataclass
 class _RunView:
-    """What the dashboard draws for one run: its event reader, per-rank history and plot traces."""
+    """What the dashboard draws for one run: the Run's history as last drawn, and the plot traces.
+
+    Every fact comes from the :class:`Run` (``history()``, ``status``, ``root_cause()``); the view keeps
+    only how many of its events it has drawn (``seen``) and what is on screen.
+    """
 
     run: Run
     label: str
     color: str
     steps: int
-    reader: EventReader
-    history: dict[int, dict[str, list]] = field(default_factory=dict)
+    seen: int = 0  # events of the run already drawn
+    history: dict[int, Any] = field(default_factory=dict)  # run.history() when last drawn
     loss_traces: dict[int, Any] = field(default_factory=dict)
     tps_traces: dict[int, Any] = field(default_factory=dict)
-    errors: dict[int, dict] = field(default_factory=dict)
     pipeline_events: list[dict] = field(default_factory=list)  # `pipeline` + `schedule`, for the timeline
     moe_events: list[dict] = field(default_factory=list)  # `moe` + `step` (its aux_loss)
     timeline_step: int | None = None  # the step the timeline shows
     moe_step: int | None = None
-    started_ranks: set[int] = field(default_factory=set)
-    stop_requested: bool = False
     launched_at: float = field(default_factory=time.time)
     finished: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
@@ -82,36 +85,35 @@ class _RunView:
 class RunDashboard:
     """Launch and watch training runs from a notebook. Evaluate the object to show it.
 
-    The keyword arguments set the controls' initial values; they mean what they mean to
-    :func:`workbench.launch` (``nproc`` defaults to the product of the degrees). Each run gets a fresh
-    directory under ``out_root`` (a temporary directory when None). ``poll_s`` is how often the view
-    reads new events.
+    ``parallel``/``train`` (configs) and the keyword shortcuts (``tp=2``, ``steps=10``: any of their
+    fields) set the controls' initial values; they mean what they mean to :func:`workbench.launch`
+    (``nproc`` defaults to the product of the degrees). There is a control for every ParallelConfig
+    setting and for the training settings in ``TRAIN_CONTROLS``; other training settings given here are
+    passed to every launch as they are. Each run gets a fresh directory under ``out_root`` (a temporary
+    directory when None). ``poll_s`` is how often the view reads new events.
     """
 
     def __init__(
         self,
         preset: str = "tiny",
         *,
-        data: str = "synthetic",
         nproc: int | None = None,
-        dp_replicate: int = 1,
-        dp_shard: int = -1,
-        tp: int = 1,
-        sequence_parallel: bool = False,
-        pp: int = 1,
-        pp_schedule: str = "1F1B",
-        microbatches: int | None = None,
-        ep: int = 1,
-        steps: int = 20,
-        global_batch: int = 8,
-        seed: int = 0,
+        parallel: ParallelConfig | None = None,
+        train: TrainConfig | None = None,
         out_root: str | Path | None = None,
         poll_s: float = 0.2,
+        **settings: Any,
     ):
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        given = split_settings(settings, ("parallel", "train"), what="dashboard setting")
+        layout = {**(parallel.to_dict() if parallel is not None else {}), **given["parallel"]}
+        training = {**(train.to_dict() if train is not None else {}), **given["train"]}
+        # Training settings without a control ride along unchanged to every launch.
+        self._fixed_train = {k: v for k, v in training.items() if k not in TRAIN_CONTROLS}
         if nproc is None:  # the core's rule: the product of the degrees, dp_shard=-1 counting as 1
-            nproc = ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp).resolved().world_size
+            degrees = ("dp_replicate", "dp_shard", "tp", "pp")
+            nproc = ParallelConfig(**{k: v for k, v in layout.items() if k in degrees}).resolved().world_size
         self.out_root = out_root
         self.poll_s = poll_s
         self.runs: list[Run] = []
@@ -119,37 +121,16 @@ class RunDashboard:
         self._lock = threading.RLock()  # the poller thread and wait() both pump; one at a time
 
         style = {"description_width": "initial"}
-        small = widgets.Layout(width="130px")
+        self.layout_controls = setting_controls("parallel", layout)
+        self.train_controls = setting_controls("train", training, only=TRAIN_CONTROLS)
         self.controls: dict[str, widgets.ValueWidget] = {
             "preset": widgets.Dropdown(options=_preset_options(), value=preset, description="model",
                                        style=style, layout=widgets.Layout(width="260px")),
-            "data": widgets.Dropdown(options=["synthetic", "text"], value=data, description="data",
-                                     style=style, layout=widgets.Layout(width="180px")),
-            "nproc": widgets.BoundedIntText(nproc, min=1, max=1024, description="nproc", style=style, layout=small),
-            "dp_replicate": widgets.BoundedIntText(dp_replicate, min=1, max=1024, description="dp_replicate",
-                                                   style=style, layout=widgets.Layout(width="150px")),
-            "dp_shard": widgets.BoundedIntText(dp_shard, min=-1, max=1024, description="dp_shard",
-                                               tooltip="-1: whatever nproc leaves over", style=style,
-                                               layout=widgets.Layout(width="140px")),
-            "tp": widgets.BoundedIntText(tp, min=1, max=1024, description="tp", style=style,
-                                         layout=widgets.Layout(width="100px")),
-            "sequence_parallel": widgets.Checkbox(sequence_parallel, description="sequence parallel",
-                                                  indent=False, layout=widgets.Layout(width="150px")),
-            "pp": widgets.BoundedIntText(pp, min=1, max=1024, description="pp", style=style,
-                                         layout=widgets.Layout(width="100px")),
-            "pp_schedule": widgets.Dropdown(options=list(PP_SCHEDULES), value=pp_schedule, description="schedule",
-                                            style=style, layout=widgets.Layout(width="210px")),
-            "microbatches": widgets.BoundedIntText(microbatches or 0, min=0, max=1_000_000,
-                                                   description="microbatches", tooltip="0: as many as pp",
-                                                   style=style, layout=widgets.Layout(width="160px")),
-            "ep": widgets.BoundedIntText(ep, min=1, max=1024, description="ep", tooltip="expert parallel "
-                                         "(MoE models); splits dp_shard", style=style,
-                                         layout=widgets.Layout(width="100px")),
-            "steps": widgets.BoundedIntText(steps, min=1, max=1_000_000, description="steps", style=style,
-                                            layout=small),
-            "global_batch": widgets.BoundedIntText(global_batch, min=1, max=1_000_000, description="global batch",
-                                                   style=style, layout=widgets.Layout(width="160px")),
-            "seed": widgets.IntText(seed, description="seed", style=style, layout=small),
+            "nproc": widgets.BoundedIntText(nproc, min=1, max=1024, description="nproc", style=style,
+                                            tooltip="nproc: processes to start; dp_shard=-1 takes the rest",
+                                            layout=widgets.Layout(width="130px")),
+            **self.layout_controls,
+            **self.train_controls,
         }
         c = self.controls
         self.launch_button = widgets.Button(description="Launch", button_style="success", icon="play")
@@ -159,7 +140,7 @@ class RunDashboard:
         self.launch_button.on_click(lambda _: self.launch())
         self.stop_button.on_click(lambda _: self.stop())
         self.clear_button.on_click(lambda _: self.clear())
-        self.progress = widgets.IntProgress(value=0, min=0, max=steps, description="rank 0",
+        self.progress = widgets.IntProgress(value=0, min=0, max=c["steps"].value, description="rank 0",
                                             style=style, layout=widgets.Layout(width="320px"))
         self.status = widgets.HTML("idle")
         self.error_panel = widgets.HTML("", layout=widgets.Layout(display="none", width="100%"))
@@ -173,10 +154,10 @@ class RunDashboard:
         self.experts_fig = go.FigureWidget(layout={"height": 340, "width": 520, "title": "Tokens per expert"})
         self.experts_box = widgets.VBox([self.experts_fig], layout=widgets.Layout(display="none"))
 
+        wrap = widgets.Layout(flex_flow="row wrap")
         self.widget = widgets.VBox([
-            widgets.HBox([c["preset"], c["data"], c["steps"], c["global_batch"], c["seed"]]),
-            widgets.HBox([c["nproc"], c["dp_replicate"], c["dp_shard"], c["tp"], c["sequence_parallel"]]),
-            widgets.HBox([c["pp"], c["pp_schedule"], c["microbatches"], c["ep"]]),
+            widgets.HBox([c["preset"], *self.train_controls.values()], layout=wrap),
+            widgets.HBox([c["nproc"], *self.layout_controls.values()], layout=wrap),
             widgets.HBox([self.launch_button, self.stop_button, self.clear_button, self.progress, self.status]),
             self.error_panel,
             widgets.HBox([self.loss_fig, self.tps_fig], layout=widgets.Layout(flex_flow="row wrap")),
@@ -210,23 +191,9 @@ class RunDashboard:
     @property
     def settings(self) -> dict[str, Any]:
         """The control values, as keyword arguments of :func:`workbench.launch` (``model`` first)."""
-        c = self.controls
-        return {
-            "model": c["preset"].value,
-            "nproc": c["nproc"].value,
-            "dp_replicate": c["dp_replicate"].value,
-            "dp_shard": c["dp_shard"].value,
-            "tp": c["tp"].value,
-            "sequence_parallel": c["sequence_parallel"].value,
-            "pp": c["pp"].value,
-            "pp_schedule": c["pp_schedule"].value,
-            "microbatches": c["microbatches"].value or None,
-            "ep": c["ep"].value,
-            "steps": c["steps"].value,
-            "global_batch": c["global_batch"].value,
-            "seed": c["seed"].value,
-            "data": c["data"].value,
-        }
+        return {"model": self.controls["preset"].value, "nproc": self.controls["nproc"].value,
+                **read_controls(self.layout_controls, "parallel"),
+                **self._fixed_train, **read_controls(self.train_controls, "train")}
 
     # -- actions ----------------------------------------------------------------------------------
     def launch(self, *, fail_at: dict[str, int] | None = None) -> Run | None:
@@ -253,7 +220,7 @@ class RunDashboard:
 
         index = len(self._views)
         view = _RunView(run=run, label=run_label(run), color=RUN_COLORS[index % len(RUN_COLORS)],
-                        steps=job.train.steps, reader=EventReader(run.run_dir))
+                        steps=job.train.steps)
         with self._lock:
             # Earlier runs become wide, faint bands, so a new curve that lands on one stays visible.
             for earlier in self._views:
@@ -280,7 +247,6 @@ class RunDashboard:
         view = self._views[-1] if self._views else None
         if view is None or view.run.done:
             return self.run
-        view.stop_requested = True
         self.stop_button.disabled = True
         self.status.value = "stopping…"
         view.run.stop()
@@ -314,7 +280,7 @@ class RunDashboard:
             view.thread.join(timeout=5)
         err = view.run.error
         if raise_on_error and err is not None:
-            raise RunFailed(err.rank, err.message, err.traceback, str(view.run.run_dir))
+            raise err
         return view.run
 
     def clear(self) -> None:
@@ -349,21 +315,14 @@ class RunDashboard:
             if view.finished.is_set():
                 return
             done = view.run.done  # checked before reading, so a finished run's last events are drained
-            events = view.reader.read_new()
+            events = view.run.events_since(view.seen)
+            view.seen += len(events)
             touched: set[int] = set()
             new_kinds: set[str] = set()
             for e in events:
                 kind, rank = e.get("type"), e.get("rank")
                 if kind == "step":
-                    h = view.history.setdefault(rank, {"step": [], "loss": [], "tps": []})
-                    h["step"].append(e["step"])
-                    h["loss"].append(e["loss"])
-                    h["tps"].append(e["tokens_per_s"])
                     touched.add(rank)
-                elif kind == "start":
-                    view.started_ranks.add(rank)
-                elif kind == "error":
-                    view.errors.setdefault(rank, e)
                 if kind in ("pipeline", "schedule"):
                     view.pipeline_events.append(e)
                     new_kinds.add("schedule")
@@ -371,6 +330,7 @@ class RunDashboard:
                     view.moe_events.append(e)
                     new_kinds.add("moe")
             if touched:
+                view.history = view.run.history()
                 self._redraw(view, touched)
             if view is self._views[-1] and "schedule" in new_kinds:
                 self._redraw_timeline(view)
@@ -382,7 +342,8 @@ class RunDashboard:
                 self._finish(view)
 
     def _redraw(self, view: _RunView, ranks: set[int]) -> None:
-        for fig, key, traces in ((self.loss_fig, "loss", view.loss_traces), (self.tps_fig, "tps", view.tps_traces)):
+        for fig, key, traces in ((self.loss_fig, "loss", view.loss_traces),
+                                 (self.tps_fig, "tokens_per_s", view.tps_traces)):
             with fig.batch_update():
                 for rank in sorted(ranks):
                     h = view.history[rank]
@@ -393,8 +354,8 @@ class RunDashboard:
                             marker={"size": 4},
                         )
                         traces[rank] = fig.data[-1]
-                    traces[rank].x = tuple(h["step"])
-                    traces[rank].y = tuple(h[key])
+                    traces[rank].x = tuple(h["step"].tolist())
+                    traces[rank].y = tuple(h[key].tolist())
 
     def _redraw_timeline(self, view: _RunView) -> None:
         """Show the latest step every pipeline rank has reported (step 0, warm-up, only until step 1)."""
@@ -434,27 +395,27 @@ class RunDashboard:
     def _progress_text(self, view: _RunView) -> str:
         """One line of HTML: how far rank 0 is, its latest loss and throughput, and any rank's error."""
         h = view.history.get(0)
-        if not h or not h["step"]:
-            if view.started_ranks:
-                return f"{len(view.started_ranks)}/{view.run.nproc} rank(s) started; building the model…"
+        if h is None or not len(h):
+            started = view.run.started_ranks
+            if started:
+                return f"{len(started)}/{view.run.nproc} rank(s) started; building the model…"
             return f"starting {view.run.nproc} rank(s): {html.escape(view.label)}"
-        text = f"step {h['step'][-1] + 1}/{view.steps} · loss {h['loss'][-1]:.4f} · {h['tps'][-1]:,.0f} tokens/s"
-        if view.errors:
-            rank = min(view.errors, key=lambda r: view.errors[r]["time"])
-            text += f" · rank {rank} raised {html.escape(view.errors[rank].get('message', ''))}"
+        last = h.iloc[-1]
+        text = f"step {int(last['step']) + 1}/{view.steps} · loss {last['loss']:.4f} · {last['tokens_per_s']:,.0f} tokens/s"
+        cause = view.run.root_cause()
+        if cause is not None and cause.rank is not None:
+            text += f" · rank {cause.rank} raised {html.escape(cause.message)}"
         return text
 
     def _show_progress(self, view: _RunView) -> None:
         h = view.history.get(0)
-        if h and h["step"]:
-            self.progress.value = min(h["step"][-1] + 1, view.steps)
+        if h is not None and len(h):
+            self.progress.value = min(int(h["step"].iloc[-1]) + 1, view.steps)
         self.status.value = self._progress_text(view)
 
     def _finish(self, view: _RunView) -> None:
         run = view.run
-        status = run.status
-        if view.stop_requested and status == "failed":
-            status = "stopped"  # stopped before torchrun could report it: the stop is the cause
+        status = run.status  # "stopped" also when the stop came before torchrun could report it
         elapsed = time.time() - view.launched_at
         if view is self._views[-1]:
             self._show_progress(view)
@@ -466,7 +427,7 @@ class RunDashboard:
                 self.status.value = f"<b>failed</b> ({where}) after {elapsed:.1f} s"
             else:
                 h = view.history.get(0)
-                detail = f" · {self._progress_text(view)}" if h and h["step"] else ""
+                detail = f" · {self._progress_text(view)}" if h is not None and len(h) else ""
                 self.status.value = f"<b>{status}</b> after {elapsed:.1f} s{detail}"
             self.launch_button.disabled, self.stop_button.disabled = False, True
         view.finished.set()
@@ -487,4 +448,4 @@ class RunDashboard:
         self.error_panel.layout.display = "none"
 
 
-__all__ = ["RunDashboard", "MAX_TRAINABLE_PARAMS"]
+__all__ = ["RunDashboard"]

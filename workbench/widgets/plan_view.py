@@ -1,7 +1,7 @@
 """``ShardingPlanView``: what each rank holds, drawn from a :class:`workbench.plan.ShardingPlan`.
 
-A thin view: every number comes from the plan (``plan.blocks``, ``plan.local``, ``plan.rank_bytes``);
-the view only groups and draws them. Four linked parts::
+A thin view: every number comes from the plan (``plan.blocks``, ``plan.block_groups``, ``plan.local``,
+``plan.coords``, ``plan.rank_bytes``); the view only draws them. Four linked parts::
 
     view = ShardingPlanView(plan)          # or just evaluate the plan in a notebook
     view.controls["filter"].value = "layers.3.attention"   # search (substring, or regex when ticked)
@@ -47,8 +47,12 @@ import plotly.graph_objects as go
 from plotly.graph_objs import FigureWidget  # its first import costs ~1 s (jsonschema): paid at import
 from plotly.subplots import make_subplots
 
-CATEGORIES = ("parameter", "gradient", "optimizer", "master")
-CATEGORY_COLORS = {"parameter": "#1f77b4", "gradient": "#ff7f0e", "optimizer": "#2ca02c", "master": "#9467bd"}
+from workbench.kinds import KIND_COLORS, STATE_KINDS
+from workbench.plan.types import group_blocks
+from workbench.units import format_bytes
+
+CATEGORIES = STATE_KINDS
+CATEGORY_COLORS = {k: KIND_COLORS[k] for k in STATE_KINDS}
 BLOCK_COLORS = tuple(plotly.colors.qualitative.Plotly)  # block i gets BLOCK_COLORS[i % 10]
 # How a block's state is drawn: solid for a slice, hatched for a full copy, cross-hatched and dotted
 # outline for a summand (a partial value every rank of the group adds to).
@@ -60,13 +64,6 @@ STATE_STYLE = {
 ABSENT_COLOR = "#dddddd"  # a mesh cell whose rank holds none of the tensor (another stage or owner)
 BLOCKS_CACHE = 64  # tensors whose blocks the view keeps, so going back and forth is instant
 LABEL_BLOCKS_MAX = 64  # above this many distinct blocks, replica counts go in the hover, not on the picture
-
-
-def _human_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{int(n):,} B"
 
 
 def _ints(v: Any) -> tuple[int, ...] | None:
@@ -114,24 +111,6 @@ def drawn_dims(shape: tuple[int, ...], placements: tuple[str, ...]) -> tuple[int
     return tuple(sorted(picked))
 
 
-def unique_blocks(blocks: pd.DataFrame) -> pd.DataFrame:
-    """Group ``plan.blocks(...)`` by what a rank holds: one row per distinct (offsets, lengths, state).
-
-    Columns: ``block`` (0.., in offset order), ``offsets``, ``lengths``, ``state``, ``ranks`` (sorted
-    tuple), ``replicas`` (how many ranks hold that block). Ranks whose state is ``absent`` are left out.
-    """
-    held = blocks[blocks["state"] != "absent"]
-    groups: dict[tuple, list[int]] = {}
-    for rank, off, ln, state in zip(held["rank"].tolist(), held["offsets"].tolist(), held["lengths"].tolist(),
-                                    held["state"].tolist()):
-        groups.setdefault((_ints(off), _ints(ln), state), []).append(int(rank))
-    rows = [{"offsets": off, "lengths": ln, "state": state, "ranks": tuple(sorted(r)), "replicas": len(r)}
-            for (off, ln, state), r in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))]
-    frame = pd.DataFrame(rows, columns=["offsets", "lengths", "state", "ranks", "replicas"])
-    frame.insert(0, "block", range(len(frame)))
-    return frame
-
-
 class ShardingPlanView:
     """Explore a :class:`ShardingPlan`: the mesh, one tensor's blocks, bytes per rank. Evaluate to show.
 
@@ -161,8 +140,7 @@ class ShardingPlanView:
         self.rank_bytes = plan.rank_bytes()
         # Mesh picture: drop size-1 dims; the last two are the grid, the ones before them the facets.
         shape = tuple(plan.mesh_shape)
-        # coords(rank) for every rank at once (the mesh is row-major, outermost dim first)
-        self._coords = np.stack(np.unravel_index(np.arange(self.world_size), shape), axis=1).astype(np.int64)
+        self._coords = plan.all_coords()  # coords(rank) for every rank at once, row = rank
         self._shown = [i for i, n in enumerate(shape) if n > 1]
         grid = self._shown[-2:]
         self._facet_dims = self._shown[:-2]
@@ -257,7 +235,7 @@ class ShardingPlanView:
 
     @property
     def blocks(self) -> pd.DataFrame:
-        """The distinct blocks of the selected tensor, as drawn (see :func:`unique_blocks`)."""
+        """The distinct blocks of the selected tensor, as drawn (:meth:`ShardingPlan.block_groups`)."""
         return self._blocks(self._current)[1]
 
     # -- actions ------------------------------------------------------------------------------------
@@ -335,7 +313,7 @@ class ShardingPlanView:
             per_rank = self.plan.blocks(t.name, kind=t.kind)
             if len(self._blocks_cache) >= BLOCKS_CACHE:  # a frame per rank each: keep the recent ones only
                 self._blocks_cache.pop(next(iter(self._blocks_cache)))
-            self._blocks_cache[i] = (per_rank, unique_blocks(per_rank))
+            self._blocks_cache[i] = (per_rank, group_blocks(per_rank))  # = plan.block_groups, one blocks() call
         return self._blocks_cache[i]
 
     def _show_tensor(self, i: int) -> None:
@@ -570,7 +548,7 @@ class ShardingPlanView:
         total = self.rank_bytes["total"] if "total" in self.rank_bytes.columns else self.rank_bytes.sum(axis=1)
         return (f"<b>Sharding plan</b>: {html.escape(str(p.model_name))} · {html.escape(layout)} · "
                 f"{self.world_size:,} ranks · {len(self._tensors):,} tensors · per-rank bytes "
-                f"{_human_bytes(total.min())} to {_human_bytes(total.max())}")
+                f"{format_bytes(total.min())} to {format_bytes(total.max())}")
 
     def _tensor_html(self, t: Any, uniq: pd.DataFrame, per_rank: pd.DataFrame) -> str:
         names = self.plan.mesh_dim_names
@@ -584,7 +562,7 @@ class ShardingPlanView:
             .itertuples(index=False))
         more = f"<tr><td colspan=5>… {len(uniq) - 4:,} more (hover the blocks)</td></tr>" if len(uniq) > 4 else ""
         return (f"<div style='font-size:12px;line-height:1.4'><b>{html.escape(t.name)}</b> [{t.kind}] {t.dtype} "
-                f"{tuple(t.global_shape)} = {_human_bytes(t.nbytes)}{stage}<br>placements: {places or 'one rank'}"
+                f"{tuple(t.global_shape)} = {format_bytes(t.nbytes)}{stage}<br>placements: {places or 'one rank'}"
                 f"<br>{len(uniq):,} distinct block(s); {absent:,} rank(s) hold none of it"
                 f"<table style='font-size:11px;line-height:1.2'><tr><th>block</th><th>offsets</th><th>lengths</th>"
                 f"<th>state</th><th>ranks</th></tr>{rows}{more}</table></div>")
@@ -600,12 +578,12 @@ class ShardingPlanView:
         else:
             ln, off = local
             holds = (f"holds <b>{html.escape(t.name)}</b> [{t.kind}]: local shape {tuple(ln)}, offsets "
-                     f"{tuple(off)} = {_human_bytes(math.prod(ln) * t.itemsize)}")
+                     f"{tuple(off)} = {format_bytes(math.prod(ln) * t.itemsize)}")
         row = self.rank_bytes.loc[rank]
-        cells = "".join(f"<tr><td>{c}</td><td style='text-align:right'>{_human_bytes(row[c])}</td></tr>"
+        cells = "".join(f"<tr><td>{c}</td><td style='text-align:right'>{format_bytes(row[c])}</td></tr>"
                         for c in (*CATEGORIES, "total") if c in row.index)
         return (f"<div style='font-size:12px;line-height:1.4'><b>rank {rank}</b> ({coords})<br>{holds}"
                 f"<table style='font-size:12px;line-height:1.2'>{cells}</table></div>")
 
 
-__all__ = ["ShardingPlanView", "unique_blocks", "drawn_dims"]
+__all__ = ["ShardingPlanView", "drawn_dims"]

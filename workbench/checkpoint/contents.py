@@ -28,13 +28,13 @@ import pandas as pd
 import torch
 
 from workbench.checkpoint.manifest import CheckpointManifest, classify
+from workbench.checkpoint.store import LATEST, CheckpointStore, resolve_checkpoint
 from workbench.checkpoint.safeload import (SAFETENSORS_DTYPES, CheckpointFormatError, read_dcp_metadata,
                                            read_safetensors_header, read_torch_file)
 
-__all__ = ["inspect", "resolve_checkpoint", "dcp_file_rank"]
+__all__ = ["inspect", "identify", "dcp_file_rank"]
 
 _DISTCP = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _NOT_A_CHECKPOINT = ("pass a run directory, its checkpoints/ directory, a step-NNNNNN directory, a DCP directory, "
                      "a directory with *.safetensors(.index.json), a .safetensors file or a torch.save file")
 
@@ -45,14 +45,7 @@ def dcp_file_rank(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _newest_step(ckpt_dir: Path) -> Path | None:
-    steps = sorted((int(m.group(1)), d) for d in ckpt_dir.iterdir()
-                   if d.is_dir() and (m := _STEP_DIR.match(d.name)) and (d / ".metadata").exists())
-    complete = [d for _, d in steps if (d / "workbench.json").exists()]
-    return (complete or [d for _, d in steps] or [None])[-1]
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> tuple[str, Path]:
+def identify(path: str | os.PathLike) -> tuple[str, Path]:
     """``(format, path)`` for any accepted path (see the module docstring); CheckpointFormatError if none."""
     p = Path(path)
     if not p.exists():
@@ -63,15 +56,15 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[str, Path]:
             if not target.is_dir():
                 raise CheckpointFormatError(p, f"points at {target.name!r}, which does not exist",
                                             "pass one of the step-* directories next to it")
-            return resolve_checkpoint(target)
+            return identify(target)
         if p.name == ".metadata":
-            return resolve_checkpoint(p.parent)
+            return identify(p.parent)
         if p.name.endswith(".safetensors.index.json"):
             return "hf", p.parent
         if p.suffix == ".safetensors":
             return "safetensors", p
         if p.name == "workbench.json":
-            return resolve_checkpoint(p.parent)
+            return identify(p.parent)
         if zipfile.is_zipfile(p):
             return "torch", p
         with open(p, "rb") as f:
@@ -88,13 +81,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[str, Path]:
         return ("workbench" if (p / "workbench.json").exists() else "dcp"), p
     if any(p.glob("*.safetensors.index.json")):
         return "hf", p
-    if (p / "checkpoints").is_dir():
-        return resolve_checkpoint(p / "checkpoints")
-    if (p / "latest").is_file():
-        return resolve_checkpoint(p / "latest")
-    newest = _newest_step(p)
-    if newest is not None:
-        return resolve_checkpoint(newest)
+    if (p / "checkpoints").is_dir() or (p / LATEST).is_file() or CheckpointStore(p).steps():
+        try:  # the one walk from a run dir to a step dir, lenient: a damaged checkpoint is still shown
+            return identify(resolve_checkpoint(p, complete=False))
+        except CheckpointFormatError:
+            raise
+        except ValueError:
+            raise CheckpointFormatError(p, "no step directory there holds a .metadata",
+                                        "the saves did not finish; pass a complete step-NNNNNN directory") from None
     if any(p.glob("*.safetensors")):
         return "safetensors", p
     if any(_DISTCP.match(f.name) for f in p.iterdir()):
@@ -215,7 +209,7 @@ def inspect(path: "str | os.PathLike | CheckpointManifest") -> CheckpointManifes
     """What is in the checkpoint at ``path``: a :class:`CheckpointManifest` (metadata and headers only)."""
     if isinstance(path, CheckpointManifest):
         return path
-    fmt, root = resolve_checkpoint(path)
+    fmt, root = identify(path)
     info: dict[str, Any] = {}
     if fmt in ("workbench", "dcp"):
         rows, files = _read_dcp(root)

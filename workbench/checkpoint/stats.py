@@ -1,0 +1,68 @@
+"""``tensor_stats(checkpoint, key)``: the numbers of one stored tensor, read on its own.
+
+    >>> from workbench.checkpoint import tensor_stats
+    >>> s = tensor_stats("runs/r1", "model.layers.0.attention.wq.weight", bins=40)
+    >>> s["mean"], s["std"], s["histogram"]["counts"][:3]
+
+Only that tensor is read (one DCP chunk set, one safetensors slice), so a 70B checkpoint answers as fast
+as a tiny one. Statistics are over the finite values, in float64; ``non_finite`` counts the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from workbench.checkpoint.formats import TensorSource, open_source
+from workbench.checkpoint.manifest import CheckpointManifest
+
+__all__ = ["tensor_stats"]
+
+
+def _canonical_key(source: TensorSource, key: str) -> str:
+    """Accept the key as the manifest lists it (stored) or as the workbench names it (canonical)."""
+    if key in source.keys:
+        return key
+    for canon, stored in source.keys.items():
+        if stored == key:
+            return canon
+    return key  # source.get raises a KeyError naming close matches
+
+
+def tensor_stats(src: "str | os.PathLike | CheckpointManifest | TensorSource", key: str,
+                 bins: int = 0) -> dict[str, Any]:
+    """``key, numel, dtype, min, max, mean, std, abs_mean, norm, zeros, non_finite`` of one tensor.
+
+    With ``bins > 0`` also ``histogram``: ``{"centers", "counts", "width"}`` over ``[min, max]`` of the
+    finite values (empty lists when there are none). ``src`` is anything :func:`inspect` accepts, or an
+    open source (reuse one to read many tensors without re-reading the metadata).
+    """
+    source = open_source(src)
+    t = source.get(_canonical_key(source, key)).detach()
+    x = t.to(torch.float64)
+    finite = x[torch.isfinite(x)]
+    n = finite.numel()
+    stats: dict[str, Any] = {
+        "key": key, "numel": t.numel(), "dtype": str(t.dtype).removeprefix("torch."),
+        "min": float(finite.min()) if n else math.nan,
+        "max": float(finite.max()) if n else math.nan,
+        "mean": float(finite.mean()) if n else math.nan,
+        "std": float(finite.std()) if n > 1 else 0.0,
+        "abs_mean": float(finite.abs().mean()) if n else math.nan,
+        "norm": float(finite.norm()) if n else 0.0,
+        "zeros": int((x == 0).sum()), "non_finite": int(t.numel() - n),
+    }
+    if bins > 0:
+        if n:
+            lo, hi = stats["min"], stats["max"]
+            hi = hi if hi > lo else lo + 1
+            counts = torch.histc(finite, bins=bins, min=lo, max=hi)
+            width = (hi - lo) / bins
+            stats["histogram"] = {"centers": [lo + (i + 0.5) * width for i in range(bins)],
+                                  "counts": [int(c) for c in counts.tolist()], "width": width}
+        else:
+            stats["histogram"] = {"centers": [], "counts": [], "width": 0.0}
+    return stats
