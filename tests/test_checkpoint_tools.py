@@ -615,6 +615,23 @@ def test_cli_inspect_text_and_json(capsys, ckpt1):
     assert res.returncode == 1 and res.stderr.strip() == f"error: {ckpt1 / 'nope'}: no such file or directory; check the path"
 
 
+def test_cli_kind_names_are_the_one_vocabulary(capsys, ckpt1, tmp_path):
+    """--kind / --include take workbench.kinds' checkpoint kinds, in any case and by key prefix (optim)."""
+    from workbench.kinds import CHECKPOINT_KINDS
+
+    res = _main(capsys, "inspect", ckpt1, "--kind", "Optim", "--json")
+    kinds = {t["kind"] for t in json.loads(res.stdout)["tensors"]}
+    assert res.returncode == 0 and kinds == {"optimizer"}
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error
+        _main(capsys, "inspect", ckpt1, "--kind", "grads")
+    assert exc.value.code == 2 and "grads" in capsys.readouterr().err
+    res = _main(capsys, "convert", ckpt1, tmp_path / "out", "--to", "hf", "--include", "OPTIM", "--json")
+    doc = json.loads(res.stdout)
+    assert res.returncode == 0 and {f.split("-")[0].split(".")[0] for f in doc["files"]} >= {"model", "optimizer"}
+    res = _main(capsys, "convert", ckpt1, tmp_path / "bad", "--to", "hf", "--include", "gradient")
+    assert res.returncode == 2 and str(list(CHECKPOINT_KINDS)) in res.stderr
+
+
 def test_reads_what_the_trainers_checkpointer_writes(tmp_path):
     """Contract guard: workbench.checkpoint.save (the trainer's writer) -> inspect / verify / plan-load / export."""
     from workbench.checkpoint import TrainState, save

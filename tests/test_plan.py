@@ -85,28 +85,31 @@ def test_local_shape_rule_is_torch_even_chunking():
 
 
 def _dtensor_blocks(model, parallel):
-    """{name: [(local_shape, offsets) per rank]} from DTensor's own rule, for a parallelized meta model."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    """{name: [(local_shape, offsets) per rank]} from DTensor's own rule, for a parallelized meta model.
 
+    Independent of the plan's arithmetic: each rank's model is parallelized in a fake world seen from
+    that rank, and DTensor says what that rank holds (``compute_local_shape_and_global_offset`` on the
+    parameter's own mesh and placements, what a real rank would compute), checked against the local
+    tensor DTensor actually made."""
+    from torch.distributed.tensor import DTensor
+
+    from workbench import compat
+    from workbench.compat import compute_local_shape_and_global_offset
     from workbench.mesh import build_mesh
     from workbench.models import build_model
     from workbench.parallel.apply import parallelize
     from workbench.plan.simulate import fake_world
 
-    out = {}
-    with fake_world(parallel.world_size):
-        mesh = build_mesh(parallel)
-        m = parallelize(build_model(model, seed=None, device="meta"), parallel, mesh, TrainConfig())
-        for name, p in m.named_parameters():
-            assert isinstance(p, DTensor)
-            strides = [axis.stride[0] for axis in p.device_mesh._layout.axes]  # rank stride per mesh dim
-            blocks = []
-            for r in range(parallel.world_size):
-                coord = [(r // st) % n for st, n in zip(strides, p.device_mesh.shape)]
-                shape, off = _compute_local_shape_and_global_offset(p.shape, p.device_mesh.shape, coord, p.placements)
-                blocks.append((tuple(shape), tuple(off)))
-            out[name] = blocks
+    out: dict[str, list] = {}
+    for r in range(parallel.world_size):
+        with fake_world(parallel.world_size, r):
+            mesh = build_mesh(parallel)
+            m = parallelize(build_model(model, seed=None, device="meta"), parallel, mesh, TrainConfig())
+            for name, p in m.named_parameters():
+                assert isinstance(p, DTensor)
+                shape, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                assert tuple(compat.local_tensor(p).shape) == tuple(shape), (name, r)
+                out.setdefault(name, []).append((tuple(shape), tuple(off)))
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 
@@ -25,12 +26,24 @@ def _help(capsys, *argv: str) -> str:
 @pytest.fixture
 def bucket_field(monkeypatch):
     """ParallelConfig with one more setting, declared the one way a setting is declared, and nothing else."""
+    # The faces are imported before the patch, so they must read the schema at call time. A module first
+    # imported while the patch is on binds the extended class (``from workbench.config import
+    # ParallelConfig``); it gets the real one back afterwards, or later tests' isinstance checks fail
+    # (workbench.plan raised "must be a ParallelConfig, not ParallelConfig").
+    import workbench.plan.cli  # noqa: F401
+    import workbench.train.launcher  # noqa: F401
+    import workbench.widgets  # noqa: F401
+
+    original, before = config.ParallelConfig, set(sys.modules)
     extended = dataclasses.make_dataclass(
         "ParallelConfig",
         [("bucket_mb", int, setting(25, "gradient bucket size in MiB", min=1))],
         bases=(config.ParallelConfig,), frozen=True)
     monkeypatch.setattr(config, "ParallelConfig", extended)
-    return extended
+    yield extended
+    for name in set(sys.modules) - before:
+        if name.startswith("workbench") and getattr(sys.modules[name], "ParallelConfig", None) is extended:
+            setattr(sys.modules[name], "ParallelConfig", original)
 
 
 def test_a_new_parallel_setting_appears_everywhere_with_one_default(bucket_field, capsys):

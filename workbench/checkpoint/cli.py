@@ -18,6 +18,7 @@ import sys
 from typing import Callable
 
 from workbench.cli_output import EXIT_FAILED, EXIT_USAGE, emit_json, error
+from workbench.kinds import CHECKPOINT_KINDS, checkpoint_kind
 from workbench.units import format_bytes
 
 __all__ = ["add_parser"]
@@ -114,7 +115,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_diff(args: argparse.Namespace) -> int:
     from workbench.checkpoint.diff import diff
 
-    kinds = args.kind.split(",") if args.kind else None
+    kinds = [checkpoint_kind(k) for k in args.kind.split(",") if k.strip()] if args.kind else None
     d = diff(args.a, args.b, values=not args.no_values, kinds=kinds, progress=_progress(args))
     if args.json:
         emit_json({"status": "ok", **d.to_dict(top=args.top)})
@@ -141,8 +142,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from workbench.checkpoint.formats import export
 
-    include = ["model"] + [k.strip() for k in (args.include or "").split(",") if k.strip()]
-    include = ["optimizer" if k == "optim" else k for k in include]
+    include = ["model"] + [checkpoint_kind(k) for k in (args.include or "").split(",") if k.strip()]
     result = export(args.src, args.dst, to=args.to, include=include, max_shard_size=args.max_shard_size,
                     names=args.names, overwrite=args.force, progress=_progress(args))
     if args.json:
@@ -190,7 +190,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     c = add("inspect", cmd_inspect, "list a checkpoint's tensors (key, kind, dtype, global shape, bytes, shards)")
     c.add_argument("path", help="run dir, checkpoints dir, step dir, DCP dir, HF dir, .safetensors or torch file")
-    c.add_argument("--kind", choices=["model", "optimizer", "master", "rng", "extra"], help="only this kind")
+    c.add_argument("--kind", type=checkpoint_kind, choices=CHECKPOINT_KINDS, metavar="{" + ",".join(CHECKPOINT_KINDS) + "}",
+                   help="only this kind")
     c.add_argument("--filter", help="only keys containing this text")
     c.add_argument("--limit", type=int, default=30, help="rows to print (default 30)")
     c.add_argument("--all", action="store_true", help="print every row")
@@ -204,7 +205,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("a")
     c.add_argument("b")
     c.add_argument("--top", type=int, default=10, help="how many of the largest changes to show")
-    c.add_argument("--kind", help="comma-separated kinds to compare (default: all)")
+    c.add_argument("--kind", help=f"comma-separated kinds to compare, of {','.join(CHECKPOINT_KINDS)} (default: all)")
     c.add_argument("--no-values", action="store_true", help="metadata only: read no tensors")
 
     c = add("convert", cmd_convert, "convert a checkpoint (streaming, one tensor at a time)")
@@ -212,7 +213,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("dst")
     c.add_argument("--to", choices=["hf", "safetensors", "torch", "dcp"], required=True,
                    help="hf: sharded safetensors + index.json; safetensors: one file; torch: torch.save; dcp")
-    c.add_argument("--include", default="", help="besides the model: comma-separated optimizer,master,rng,extra")
+    c.add_argument("--include", default="",
+                   help=f"besides the model: comma-separated {','.join(k for k in CHECKPOINT_KINDS if k != 'model')}")
     c.add_argument("--max-shard-size", default="2GB", help="hf shards up to this size (default 2GB)")
     c.add_argument("--names", choices=["workbench", "hf-llama"], default="workbench",
                    help="weight names: this model's FQNs, or Hugging Face Llama names (q/k permuted for RoPE)")

@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench.checkpoint.formats import open_source
+from workbench.kinds import checkpoint_kind
 
 __all__ = ["diff", "CheckpointDiff"]
 
@@ -91,7 +92,7 @@ def diff(a, b, *, values: bool = True, kinds: Iterable[str] | None = None, progr
     ra = {r["key"]: r for r in sa.canonical_rows()}
     rb = {r["key"]: r for r in sb.canonical_rows()}
     if kinds is not None:
-        kinds = set(kinds)
+        kinds = {checkpoint_kind(k) for k in kinds}  # "optim" -> "optimizer"; unknown: ValueError
         ra = {k: r for k, r in ra.items() if r["kind"] in kinds}
         rb = {k: r for k, r in rb.items() if r["kind"] in kinds}
     added = [k for k in rb if k not in ra]

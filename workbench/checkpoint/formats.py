@@ -38,14 +38,14 @@ from tqdm.auto import tqdm
 from workbench.checkpoint.contents import inspect
 from workbench.checkpoint.manifest import CheckpointManifest
 from workbench.checkpoint.safeload import SAFETENSORS_DTYPES, CheckpointFormatError, read_torch_file
+from workbench.kinds import KEY_PREFIXES, checkpoint_kind
 
 __all__ = ["TensorSource", "open_source", "read_tensor", "iter_tensors", "export", "ExportResult",
            "load_into", "parse_size", "model_config_of", "FORMATS"]
 
 FORMATS = ("hf", "safetensors", "torch", "dcp")
-_PREFIXES = ("model", "optim", "master", "rng", "ema", "sched", "extra")
+_PREFIXES = (*KEY_PREFIXES, "master")  # workbench key prefixes, plus master.* from other tools (workbench.kinds)
 _ST_CODE = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-_SHARD_SET = {"model": "model", "optimizer": "optimizer", "master": "master", "rng": "rng", "extra": "extra"}
 
 
 def parse_size(size: int | str) -> int:
@@ -386,10 +386,7 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
         raise ValueError(f"unknown format {to!r}; choose one of {list(FORMATS)}")
     if names not in ("workbench", "hf-llama"):
         raise ValueError(f"names={names!r} is unknown; choose 'workbench' or 'hf-llama'")
-    include = list(dict.fromkeys(include))
-    bad = sorted(set(include) - set(_SHARD_SET))
-    if bad:
-        raise ValueError(f"unknown kind(s) {bad} in include; choose from {list(_SHARD_SET)}")
+    include = list(dict.fromkeys(checkpoint_kind(k) for k in include))  # "optim", "Optimizer" -> "optimizer"
     source = open_source(src)
     m = source.manifest
     rows = [r for r in source.canonical_rows() if r["kind"] in include]
@@ -433,7 +430,7 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
                 set_rows = [r for r in rows if r["kind"] == kind]
                 if not set_rows:
                     continue
-                prefix = _SHARD_SET[kind]
+                prefix = kind  # one HF index per kind, named after it
                 shards: list[list[dict]] = [[]]
                 size = 0
                 for r in set_rows:  # greedy, in key order, like Hugging Face's shard_checkpoint

@@ -44,10 +44,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from workbench.kinds import KEY_PREFIXES
+
 __all__ = ["TrainState", "model_view", "local_optimizer", "capture_rng", "restore_rng", "KINDS",
            "encode_hyper", "decode_hyper"]
 
-KINDS = ("model", "optim", "ema", "sched", "rng", "extra")
+KINDS = KEY_PREFIXES  # the key prefixes a save writes, in order (see workbench.kinds)
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 

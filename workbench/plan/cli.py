@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from workbench.cli_output import emit_json, error
+from workbench.kinds import STATE_KINDS
 from workbench.settings import add_arguments, from_args, given
 from workbench.units import format_bytes
 
@@ -58,7 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"global_batch={train.global_batch} x seq_len={train.seq_len}")
     print()
     print(f"{'per rank':<12} {'max':>14} {'min':>14}")
-    for k in ("parameter", "gradient", "optimizer", "master", "total"):
+    for k in (*STATE_KINDS, "total"):
         print(f"{k:<12} {format_bytes(s['max_rank_bytes'][k]):>14} {format_bytes(s['min_rank_bytes'][k]):>14}")
     comm = result.comm()
     print()
