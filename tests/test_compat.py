@@ -162,6 +162,45 @@ def test_gpipe_lean_refused_in_one_line_when_its_helpers_are_missing(monkeypatch
     validate(tiny, ParallelConfig(pp=2, pp_schedule="GPipe"))
 
 
+def test_settings_that_need_a_missing_api_are_refused_and_the_rest_degrades(monkeypatch):
+    from workbench.config import PRESETS, ParallelConfig, TrainConfig, validate
+    from workbench.memory.probe import PeakMemoryProbe
+    from workbench.plan import plan
+
+    monkeypatch.setenv(compat.HIDE_ENV, "checkpoint_wrapper,_get_fqns,FakeStore,TorchDispatchMode")
+    tiny, one = PRESETS["tiny"], ParallelConfig(dp_shard=1)
+    validate(tiny, one, TrainConfig())  # a job that needs none of them is still valid
+    for train, start, fix in [(TrainConfig(activation_checkpointing="full"), "activation_checkpointing='full' is "
+                               "unavailable: torch", "(--ac none)"),
+                              (TrainConfig(ema=0.9, ckpt_every=1), "ema=0.9 is unavailable: torch", "(--ema 0)")]:
+        with pytest.raises(ValueError) as e:
+            validate(tiny, one, train)
+        assert "\n" not in str(e.value) and str(e.value).startswith(start) and str(e.value).endswith(fix)
+    with pytest.raises(ValueError, match=r"^a sharding plan is unavailable: torch \S+ lacks feature plan.fake_pg"):
+        plan("tiny", ParallelConfig(tp=2))
+    # The CPU memory probe needs a dispatch mode: without it it answers None, never a wrong number.
+    probe = PeakMemoryProbe("cpu")
+    with probe:
+        torch.ones(1000)
+    assert probe.measuring is False and probe.peak() is None and probe.live() is None
+    monkeypatch.delenv(compat.HIDE_ENV)
+    with PeakMemoryProbe("cpu") as probe:
+        keep = torch.ones(1000)
+    assert probe.peak() >= keep.untyped_storage().nbytes()
+
+
+def test_cli_turns_a_missing_api_into_one_line(workbench_cli):
+    res = _run([*workbench_cli, "plan", "tiny", "--tp", "2"], {compat.HIDE_ENV: "FakeStore"}, timeout=120)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == [
+        f"error: a sharding plan is unavailable: torch {compat.TORCH_VERSION} lacks feature plan.fake_pg; use a "
+        "torch release that has it (2.11 to 2.13 do; `workbench doctor` lists what this one lacks)"]
+    res = _run([*workbench_cli, "train", "tiny", "--ac", "full", "--json"], {compat.HIDE_ENV: "checkpoint_wrapper"},
+               timeout=120)
+    assert res.returncode == 2 and json.loads(res.stdout)["error"].startswith("activation_checkpointing='full' is "
+                                                                             "unavailable")
+
+
 # --------------------------------------------------------------------------------------------------
 # With a private API hidden: import, doctor, train, ckpt inspect
 # --------------------------------------------------------------------------------------------------

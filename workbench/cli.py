@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from workbench.cli_output import EXIT_FAILED, EXIT_USAGE, emit_json, error
+from workbench.config import PRESETS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -25,7 +26,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("train", help="train a model on N local processes through torchrun",
                        description="Train a preset (or a Hugging Face config.json) with a parallel layout.")
-    p.add_argument("model", help="preset (tiny, small, llama-7b, llama-70b) or path to a config.json")
+    p.add_argument("model", help=f"preset ({', '.join(PRESETS)}) or a Hugging Face config.json path")
     p.add_argument("--nproc", type=int, default=None, help="processes to start (default: product of the degrees)")
     add_arguments(p, ("parallel", "train"))
     p.add_argument("--out", default=None, help="run directory (default: ./runs/<time>)")
@@ -165,8 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from workbench.compat import MissingTorchAPI
+
     try:
         return args.func(args)
+    except MissingTorchAPI as e:  # a feature this torch cannot run (workbench doctor lists them)
+        return error(f"{e}; this command needs it (see `workbench doctor`)", getattr(args, "json", False),
+                     EXIT_FAILED)
     except BrokenPipeError:  # `workbench ... | head` closed stdout early: end quietly, like other tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
         return EXIT_FAILED

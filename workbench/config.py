@@ -466,6 +466,20 @@ def _validate_moe(model: ModelConfig, parallel: ParallelConfig) -> None:
                          f"from the sharded data-parallel ranks; choose dp_shard as a multiple of {ep}")
 
 
+def _validate_torch(parallel: ParallelConfig, train: TrainConfig | None) -> None:
+    """Settings whose code needs a private torch API the running torch may lack (workbench.compat)."""
+    from workbench import compat
+
+    if parallel.pp > 1 and parallel.pp_schedule == "GPipeLean":
+        compat.require("pipeline.lean_schedule", "pp_schedule='GPipeLean'", "choose pp_schedule='GPipe'")
+    if train is not None and train.activation_checkpointing != "none":
+        compat.require("train.activation_checkpointing",
+                       f"activation_checkpointing={train.activation_checkpointing!r}",
+                       "set activation_checkpointing='none' (--ac none)")
+    if train is not None and train.ema:
+        compat.require("checkpoint.ema", f"ema={train.ema}", "set ema=0 (--ema 0)")
+
+
 def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig | None = None) -> None:
     """Raise one ValueError naming the problem and the fix, or return None if the combination works."""
     tp = parallel.tp
@@ -476,12 +490,9 @@ def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig | 
         if size % tp:
             raise ValueError(f"tp={tp} does not divide {name}={size}; choose tp in {_divisors(common)}")
     _validate_pp(model, parallel, train)
-    if parallel.pp > 1 and parallel.pp_schedule == "GPipeLean":
-        from workbench import compat
-
-        compat.require("pipeline.lean_schedule", "pp_schedule='GPipeLean'", "choose pp_schedule='GPipe'")
     _validate_moe(model, parallel)
     _validate_zero(parallel)
+    _validate_torch(parallel, train)
     if train is None:
         return
     if train.seq_len > model.max_seq_len:

@@ -15,23 +15,27 @@ Code that shrinks or regrows a storage in place tells the probe through :func:`r
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 
-from workbench.compat import TorchDispatchMode, is_traceable_wrapper_subclass, pytree
-
-tree_flatten = pytree.tree_flatten
+from workbench import compat
 
 __all__ = ["PeakMemoryProbe", "resize_storage_"]
 
 _ACTIVE: "PeakMemoryProbe | None" = None  # the probe resize_storage_ reports to, while one runs
 
 
+@functools.cache
+def _is_wrapper_subclass():
+    return compat.get("is_traceable_wrapper_subclass")  # looked up once: this runs on every operator's output
+
+
 def _local_tensors(t):
     if not isinstance(t, torch.Tensor):
         return
-    if is_traceable_wrapper_subclass(t):
+    if _is_wrapper_subclass()(t):
         names, _ = t.__tensor_flatten__()
         for name in names:
             yield from _local_tensors(getattr(t, name, None))
@@ -39,18 +43,21 @@ def _local_tensors(t):
         yield t
 
 
-class _Meter(TorchDispatchMode):
-    def __init__(self, probe: "PeakMemoryProbe"):
-        super().__init__()
-        self.probe = probe
+def _meter(probe: "PeakMemoryProbe"):
+    """A dispatch mode that counts every tensor an operator returns (torch's TorchDispatchMode is private API:
+    made on first use, so a torch without it only loses the CPU measurement)."""
+    tree_flatten = compat.get("pytree").tree_flatten
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                for local in _local_tensors(t):
-                    self.probe._track(local)
-        return out
+    class Meter(compat.get("TorchDispatchMode")):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    for local in _local_tensors(t):
+                        probe._track(local)
+            return out
+
+    return Meter()
 
 
 class PeakMemoryProbe:
@@ -61,7 +68,10 @@ class PeakMemoryProbe:
         self.live_bytes = 0
         self.peak_bytes = 0
         self._sizes: dict[int, int] = {}
-        self._mode: _Meter | None = None
+        self._mode = None
+        # On CPU the measurement needs torch's dispatch-mode API; without it (workbench doctor says so)
+        # peak() and live() answer None rather than a wrong number.
+        self.measuring = self.device.type == "cuda" or compat.check("memory.probe")
 
     # -- tracking -----------------------------------------------------------------------------
     def _track(self, t: torch.Tensor) -> None:
@@ -95,6 +105,8 @@ class PeakMemoryProbe:
     # -- API ----------------------------------------------------------------------------------
     def track(self, tensors) -> "PeakMemoryProbe":
         """Count tensors created outside the probe (parameters, optimizer state) until they are freed."""
+        if not self.measuring:
+            return self
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 for local in _local_tensors(t):
@@ -106,21 +118,21 @@ class PeakMemoryProbe:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.peak_bytes = self.live_bytes
 
-    def peak(self) -> int:
+    def peak(self) -> int | None:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        return int(self.peak_bytes)
+        return int(self.peak_bytes) if self.measuring else None
 
-    def live(self) -> int:
+    def live(self) -> int | None:
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))
-        return int(self.live_bytes)
+        return int(self.live_bytes) if self.measuring else None
 
     def __enter__(self) -> "PeakMemoryProbe":
         global _ACTIVE
         _ACTIVE = self
-        if self.device.type == "cpu":
-            self._mode = _Meter(self)
+        if self.device.type == "cpu" and self.measuring:
+            self._mode = _meter(self)
             self._mode.__enter__()
         return self
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from workbench.compat import CheckpointImpl, checkpoint_wrapper
+from workbench import compat
 
 
 def checkpointed_blocks(n_layers: int, mode: str, every: int = 2) -> list[int]:
@@ -37,7 +37,13 @@ def checkpointed_blocks(n_layers: int, mode: str, every: int = 2) -> list[int]:
 def apply_ac(model: nn.Module, mode: str, every: int = 2) -> nn.Module:
     """Wrap the chosen transformer blocks of ``model.layers`` in place; returns ``model``."""
     names = list(model.layers.keys())
-    for i in checkpointed_blocks(len(names), mode, every):
+    chosen = checkpointed_blocks(len(names), mode, every)
+    if not chosen:
+        return model
+    # torch's wrapper is private API: only a run that checkpoints needs it (config validation refuses
+    # activation_checkpointing on a torch that lacks it).
+    checkpoint_wrapper, CheckpointImpl = compat.get("checkpoint_wrapper"), compat.get("CheckpointImpl")
+    for i in chosen:
         block = model.layers[names[i]]
         model.layers[names[i]] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                     preserve_rng_state=True)

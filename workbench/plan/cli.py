@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from workbench.cli_output import emit_json, error
+from workbench.config import PRESETS
 from workbench.kinds import STATE_KINDS
 from workbench.settings import add_arguments, from_args, given
 from workbench.units import format_bytes
@@ -26,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="simulate a layout at any world size: what each rank holds and sends",
                        description="Simulate a parallel layout on the meta device under a fake process group "
                                    "(no GPU, no allocation) and report per-rank memory and communication.")
-    p.add_argument("model", help="preset (tiny, small, llama-7b, llama-70b, tiny-moe, moe-8x7b) or a config.json path")
+    p.add_argument("model", help=f"preset ({', '.join(PRESETS)}) or a Hugging Face config.json path")
     add_arguments(p, "parallel")
     add_arguments(p, "train", only=PLAN_TRAIN_SETTINGS, given_only=True, help={
         "global_batch": "sequences per step (default: the smallest multiple of dp [x microbatches] >= 8)"})

@@ -406,6 +406,10 @@ def plan(model, parallel_config: ParallelConfig, train_shape: TrainConfig | dict
 
     if not isinstance(parallel_config, ParallelConfig):
         raise TypeError(f"parallel_config must be a ParallelConfig, not {type(parallel_config).__name__}")
+    from workbench import compat
+
+    compat.require("plan.simulate", "a sharding plan", "use a torch release that has it (2.11 to 2.13 do; "
+                   "`workbench doctor` lists what this one lacks)")
     parallel = parallel_config.resolved() if parallel_config.dp_shard == -1 else parallel_config
     name, cfg, build = _resolve_model(model)
     train = _resolve_train(train_shape, parallel)

@@ -123,6 +123,12 @@ def example_args(op: OpOverload, shapes: list | None = None, args: tuple | None 
         return (*tensors, *(args or ())), dict(kwargs or {}), "random inputs of the given shapes"
     case = _case_for(op)
     if case is None:
+        from workbench.spmd import SKIPPED_FAMILIES
+
+        if SKIPPED_FAMILIES:  # its case may belong to a family this torch cannot run
+            skipped = "; ".join(f"family {f!r} skipped: {why}" for f, why in SKIPPED_FAMILIES.items())
+            raise ValueError(f"{op} has no conformance case on this torch ({skipped}); give one shape per "
+                             f"tensor input: shapes=[(4, 6)] (CLI: --shape 4,6)")
         raise ValueError(f"{op} has no conformance case to take example inputs from; give one shape per "
                          "tensor input: shapes=[(4, 6)] (CLI: --shape 4,6)")
     from workbench.spmd.conformance import case_inputs
