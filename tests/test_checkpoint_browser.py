@@ -89,6 +89,11 @@ def test_load_into_layout_panel(browser):
     assert not plan.loadable and "tp=3 does not divide n_heads=8" in browser.plan_html.value
     assert not browser.run_plan(tp=1, dp_shard=1, pp=8).loadable
     assert "pp=8 exceeds n_layers=5" in browser.plan_html.value
+    # A value outside a field's range is refused in its one line, not clamped by the bounded control.
+    assert browser.run_plan(tp=0) is None and "tp=0 must be" in browser.plan_html.value
+    assert browser.layout_controls["tp"].value == 1
+    assert browser.run_plan(pp_schedule="gpipe", pp=2, dp_shard=1) is not None  # choices: any case
+    assert browser.layout_controls["pp_schedule"].value == "GPipe"
 
 
 def test_verify_panel_and_manifest_displays_as_the_browser(browser, run, monkeypatch):

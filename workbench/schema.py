@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-__all__ = ["Setting", "setting", "check", "settings_of", "kind_of", "METADATA_KEY"]
+__all__ = ["Setting", "setting", "check", "check_value", "settings_of", "kind_of", "METADATA_KEY"]
 
 METADATA_KEY = "workbench"
 _TRUE = ("1", "true", "yes", "on")
@@ -132,7 +132,7 @@ def _canonical(value: Any, choices: tuple) -> Any:
     return value
 
 
-def _check_value(name: str, value: Any, kind: str, optional: bool, s: Setting) -> Any:
+def check_value(name: str, value: Any, kind: str, optional: bool, s: Setting) -> Any:
     """The value in canonical form, or one ValueError naming the field, the value and what is allowed."""
     if value is None and optional:
         return None
@@ -174,7 +174,7 @@ def check(obj: Any) -> None:
     for f, s in settings_of(type(obj)):
         kind, optional = kind_of(f)
         value = getattr(obj, f.name)
-        canonical = _check_value(f.name, value, kind, optional, s)
+        canonical = check_value(f.name, value, kind, optional, s)
         if canonical is not value:
             object.__setattr__(obj, f.name, canonical)
 

@@ -304,10 +304,10 @@ class CheckpointBrowser(widgets.VBox):
 
     def run_plan(self, full_state: bool | None = None, **layout: Any) -> LoadPlan | None:
         """Dry run of loading into the layout in the inputs (``layout`` sets them first: ``tp=2`` ...)."""
-        write_controls(self.layout_controls, "parallel", **layout)
         if full_state is not None:
             self.weights_only.value = not full_state
         try:
+            write_controls(self.layout_controls, "parallel", **layout)  # tp=0: its one-line ValueError
             target = ParallelConfig(**read_controls(self.layout_controls, "parallel"))
             plan = plan_load(self.manifest, target, full_state=not self.weights_only.value)
         except (ValueError, CheckpointFormatError) as e:

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 
 import ipywidgets as widgets
 
-from workbench.schema import Setting, kind_of, settings_of
+from workbench.schema import Setting, check_value, kind_of, settings_of
 from workbench.settings import config_class
 
 __all__ = ["setting_controls", "read_controls", "write_controls"]
@@ -101,11 +101,13 @@ def read_controls(controls: Mapping[str, widgets.ValueWidget], section: "str | t
 
 
 def write_controls(controls: Mapping[str, widgets.ValueWidget], section: "str | type", **values: Any) -> None:
-    """Set controls from field values (None shown as the tooltip says); unknown names raise TypeError."""
+    """Set controls from field values (None shown as the tooltip says); unknown names raise TypeError, values
+    outside a field's choices or range raise its one-line ValueError."""
     fields = {f.name: (f, s) for f, s in settings_of(config_class(section)) if f.name in controls}
     for name, value in values.items():
         if name not in fields:
             raise TypeError(f"unknown setting {name!r}; choose from {list(fields)}")
         f, s = fields[name]
         kind, optional = kind_of(f)
+        value = check_value(name, value, kind, optional, s)  # a bounded control would clamp it silently
         controls[name].value = _none_value(kind, s) if value is None and optional else value
