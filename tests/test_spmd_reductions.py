@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from workbench import compat
+
 TIMEOUT_S = 150
 FAMILIES = ("reduction", "index")
 CAP = int(os.environ.get("SPMD_TEST_CAP", "9"))  # placement combinations per case and mesh
@@ -145,12 +147,15 @@ def test_minmax_over_sharded_dim_all_reduces_instead_of_gathering(results):
     assert len(keys) >= 15
     for k in keys:
         ours, theirs = results[k]["ours"], results[k]["torch"]
-        assert "all_gather" not in _kinds(ours), (k, ours)
-        assert "all_gather" in _kinds(theirs), (k, theirs)
-        assert ours["comm_bytes"] < theirs["comm_bytes"], (k, ours, theirs)
+        assert ours["ok"] and "all_gather" not in _kinds(ours), (k, ours)
+        if theirs["ok"]:  # torch 2.11's own max.dim backward fails on DTensors (it builds plain zeros)
+            assert "all_gather" in _kinds(theirs), (k, theirs)
+            assert ours["comm_bytes"] < theirs["comm_bytes"], (k, ours, theirs)
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.skipif(not compat.available("spmd.indexing"),
+                    reason=f"SPMD rule family 'indexing': {compat.skip_reason('spmd.indexing')}")
 def test_index_put_along_sharded_dim_moves_nothing(results):
     keys = [k for k in _combos(results) if k.startswith("index/index_put") and _first_input_sharded_on(k, 0)]
     assert keys

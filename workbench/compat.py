@@ -118,6 +118,10 @@ class Feature:
     needs: tuple[str, ...]  # short names (SYMBOLS / _ATTRS) or full paths
     requires: tuple[str, ...] = ()  # other features
     if_missing: str = "skipped"
+    # Where the symbols exist but an older torch's DTensor behaves differently (no rule for an op, a view
+    # rule that refuses a reshape), the first torch the feature's checks pass on, and what differs.
+    min_torch: str | None = None
+    older: str = ""
 
 
 _SPMD_CORE = ("op_dispatcher", "custom_op_handlers", "op_strategy_funcs", "op_single_dim_strategy_funcs",
@@ -138,9 +142,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
     Feature("spmd.norms", "SPMD rule family 'norms'",
             ("funcol", "AsyncCollectiveTensor", "DTensorSpec", "TensorMeta", "redistribute_local_tensor",
              "StridedShard"),
-            requires=("spmd.registry", "spmd.reductions")),
+            requires=("spmd.registry", "spmd.reductions"), min_torch="2.13",
+            older="a DTensor rule for batch_norm, and a view rule that keeps a channel-sharded instance_norm sharded"),
     Feature("spmd.indexing", "SPMD rule family 'indexing'",
-            ("compute_local_shape_and_global_offset",), requires=("spmd.registry", "spmd.reductions")),
+            ("compute_local_shape_and_global_offset",), requires=("spmd.registry", "spmd.reductions"),
+            min_torch="2.13", older="a DTensor rule for in-place index_put_ that our fallback hands ops to"),
     Feature("spmd.comm", "collective byte counting (spmd explain, conformance)",
             ("c10d_functional", "resolve_process_group")),
     Feature("spmd.explain", "workbench spmd explain",
@@ -161,6 +167,10 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
     Feature("train.activation_checkpointing", "activation checkpointing", ("checkpoint_wrapper", "CheckpointImpl")),
     Feature("checkpoint.ema", "EMA weights in checkpoints", ("get_fqns",)),
 ]}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("+")[0].split(".")[:2] if x.isdigit())
 
 
 def _hidden() -> set[str]:
@@ -203,6 +213,8 @@ def missing(feature: str) -> list[str]:
     if feature in hidden:
         return [_path(n) for n in f.needs]
     out = [f"feature {r}" for r in f.requires if missing(r)]
+    if f.min_torch and _version(TORCH_VERSION) < _version(f.min_torch):
+        out.append(f"{f.older} (needs torch {f.min_torch} or newer)")
     for n in f.needs:
         try:
             _resolve(_path(n))
@@ -351,3 +363,16 @@ def redistribute_hook_modules() -> list:
     """The DTensor modules that call ``redistribute_local_tensor`` through a module-level name, so a
     scoped wrapper (``spmd.explain``) must patch each."""
     return [_resolve(f"{_DT}.{m}") for m in ("_api", "_dispatch", "_redistribute")]
+
+
+def call_trimmed(fn: Any, *args: Any) -> Any:
+    """Call a private torch method with as many of ``args`` as its signature takes: newer torches append
+    optional parameters (2.13's ``_initialize_stage(args, kwargs, target, loss_kwargs)`` is 2.11's
+    ``_initialize_stage(args, kwargs)``), so the trailing ones are dropped where it lacks them."""
+    import inspect
+
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return fn(*args)
+    n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    return fn(*args[:n])

@@ -129,7 +129,10 @@ def _saved_storages(into: set[int]):
 
 
 def _buffers(recv_infos) -> list[torch.Tensor]:
-    return [info.buffer for info in recv_infos if not info.is_root_arg and info.buffer is not None]
+    # Model inputs have no receive buffer: torch 2.13 flags them (is_root_arg), 2.11 uses a placeholder
+    # object without a buffer.
+    return [b for info in recv_infos if not getattr(info, "is_root_arg", False)
+            and (b := getattr(info, "buffer", None)) is not None]
 
 
 def _regrow(recv_infos) -> None:
@@ -163,7 +166,7 @@ class ScheduleGPipeLean(ScheduleGPipe):
                            return_outputs=True, loss_kwargs=None):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
-        self._initialize_stage(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+        compat.call_trimmed(self._initialize_stage, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
         stage, n = self._stage, self._n_microbatches
 
         for i in range(n):
@@ -172,7 +175,7 @@ class ScheduleGPipeLean(ScheduleGPipe):
             saved: set[int] = set()
             with _saved_storages(saved):
                 output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i], save_forward_output=False)
-                self._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
+                compat.call_trimmed(self._maybe_compute_loss, stage, output, target_mbs, i, loss_kwargs)
             _p2p(stage.get_fwd_send_ops(i))
             del output
             for t in stage.fwd_cache[i][0]:
@@ -229,8 +232,10 @@ class Pipeline:
         for s in self.stages:
             s.actions.clear()
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
-        target = targets if self.has_last else None
+        # Contiguous: the batch's inputs and targets are slices of one token row (stride seq+1), and torch
+        # 2.11's stages check each microbatch's strides against the ones they expect (seq, 1).
+        args = (inputs.contiguous(),) if self.has_first else ()
+        target = targets.contiguous() if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         if not self.has_last:
             return None

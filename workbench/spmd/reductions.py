@@ -337,6 +337,14 @@ def _scatter_placements(x: DTensor, dim: int, index: DTensor, src: DTensor) -> l
 )
 def scatter_src(op_call, args, kwargs):
     x, dim, index, src = (list(args) + [kwargs.get(k) for k in ("self", "dim", "index", "src")][len(args):])[:4]
+    if (isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and isinstance(index, DTensor)
+            and isinstance(src, DTensor)):
+        # torch 2.11's min/max.dim backward builds its zeros with ``at::zeros`` (a plain tensor, the
+        # same full-size zeros on every rank) where 2.13 uses ``grad.new_zeros``: a replicated
+        # DTensor is what it stands for, and torch's own dispatch refuses the mix.
+        x = DTensor.from_local(x, index.device_mesh, [Replicate()] * index.device_mesh.ndim, run_check=False)
+        args, kwargs = (x, dim, index, src), {k: v for k, v in kwargs.items()
+                                              if k not in ("self", "dim", "index", "src")}
     if kwargs.get("reduce") is not None or not isinstance(x, DTensor) or not isinstance(index, DTensor):
         return torch_dispatch(op_call, args, kwargs)
     dim = dim % max(x.ndim, 1)
