@@ -25,10 +25,6 @@ from workbench import compat
 
 TIMEOUT_S = 120  # a hang fails here, not at the CI limit
 
-# The family is skipped (one warning line) on a torch whose DTensor it cannot run on: nothing to test.
-pytestmark = pytest.mark.skipif(not compat.available("spmd.norms"),
-                                reason=f"SPMD rule family 'norms': {compat.skip_reason('spmd.norms')}")
-
 
 # --------------------------------------------------------------------------------------------------
 # The worker (runs on every rank)
@@ -336,7 +332,10 @@ def _row(measured, op, placement, rank=0) -> dict:
     return next(r for r in measured[rank]["table"] if r["op"] == op and r["placement"] == placement)
 
 
-pytestmark = [pytest.mark.multirank, pytest.mark.timeout(TIMEOUT_S + 30)]
+# The family is skipped (one warning line) on a torch whose DTensor it cannot run on: nothing to test.
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(TIMEOUT_S + 30),
+              pytest.mark.skipif(not compat.available("spmd.norms"),
+                                 reason=f"SPMD rule family 'norms': {compat.skip_reason('spmd.norms')}")]
 
 
 def test_every_norm_case_matches_dense_on_every_placement(measured):

@@ -125,7 +125,7 @@ def _kinds(r: dict) -> dict:
 def test_every_case_matches_dense_forward_and_backward(results):
     bad = {k: r["ours"]["error"] for k, r in _combos(results).items() if not r["ours"]["ok"]}
     assert not bad, json.dumps(bad, indent=1)[:4000]
-    assert len(_combos(results)) > 100
+    assert len(_combos(results)) > (100 if compat.available("spmd.indexing") else 60)  # 84 reduction combos alone
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
