@@ -148,3 +148,19 @@ def test_bench_checkpoint_quick_prints_one_json_document_of_ratios(repo):
     s = doc["seconds"]
     assert math.isclose(ratios["async_blocking_vs_sync"]["median"], s["async_blocking_s"] / s["sync_save_s"])
     assert s["async_blocking_s"] < s["async_total_s"]  # the loop was blocked for part of the save only
+
+
+@pytest.mark.multirank
+def test_bench_memory_quick_prints_prediction_errors_and_import_cost(repo):
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "bench_memory.py"), "--quick", "--layouts", "fsdp2",
+         "--skip", "overhead,70b", "--import-mb", "20"],
+        capture_output=True, text=True, timeout=600, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert doc["benchmark"] == "bench_memory"
+    layout = doc["prediction"]["layouts"]["fsdp2"]
+    assert set(layout["ranks"]) == {"0", "1"}
+    for r in layout["ranks"].values():
+        assert r["error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
+    assert doc["import"]["file_bytes"] > 10 * 2**20 and doc["import"]["seconds"] > 0

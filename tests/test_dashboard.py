@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 
 import pytest
 
+import workbench.widgets.dashboard as dashboard_module
 from workbench.config import PRESETS
+from workbench.train.launcher import Run, build_job
 from workbench.widgets import RunDashboard, plot_losses
 
 
@@ -109,11 +112,15 @@ def test_live_run_fills_progress_and_one_trace_per_rank(dashboards):
     assert "succeeded" in dash.status.value
     assert dash.error_panel.layout.display == "none"
     assert not dash.launch_button.disabled and dash.stop_button.disabled
-    for fig in (dash.loss_fig, dash.tps_fig):
+    for fig in (dash.loss_fig, dash.tps_fig, dash.memory_fig):
         assert _trace_points(fig) == {"tiny dp_shard=2 r0": steps, "tiny dp_shard=2 r1": steps}
     r0 = next(t for t in dash.loss_fig.data if t.name.endswith("r0"))
     assert list(r0.x) == list(range(steps))
     assert list(r0.y) == pytest.approx(run.losses(rank=0))
+    memory = run.memory_history()
+    m1 = next(t for t in dash.memory_fig.data if t.name.endswith("r1"))
+    assert list(m1.y) == pytest.approx((memory[memory["rank"] == 1]["peak_bytes"] / 2**20).tolist())
+    assert all(y > 0 for y in m1.y)
     assert dash.timeline_box.layout.display == "none"  # no pipeline, no timeline
 
 
@@ -178,6 +185,60 @@ def test_runs_overlay_until_cleared(dashboards):
     dash.clear()
     assert len(dash.loss_fig.data) == 0 and len(dash.tps_fig.data) == 0
     assert dash.runs == [first, second]  # clearing the plot forgets no run
+
+
+def _replayed_run(run_dir, events) -> Run:
+    """A finished Run over hand-written events: a real (already exited) process and a real events.jsonl."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(30)
+    return Run(build_job("tiny", nproc=2, dp_shard=2, steps=2), run_dir, proc, run_dir / "launcher.log")
+
+
+def _step(rank, step, mem_bytes, **extra):
+    return {"type": "step", "rank": rank, "time": 100.0 + step, "step": step, "loss": 5.0 - step,
+            "tokens_per_s": 1000.0, "step_time_s": 0.1, "mem_bytes": mem_bytes, **extra}
+
+
+def _memory(rank, step, peak, live, **by_category):
+    return {"type": "memory", "rank": rank, "time": 100.5 + step, "step": step, "live_bytes": live,
+            "peak_bytes": peak, "by_category": by_category}
+
+
+MiB = 2**20
+# rank 0 records memory (--memory) for both steps; rank 1 has only its step events' mem_bytes
+EVENTS = [_step(0, 0, 900 * MiB), _memory(0, 0, 40 * MiB, 10 * MiB, parameter=8 * MiB, activation=32 * MiB),
+          _step(1, 0, 950 * MiB), _step(0, 1, 910 * MiB), _memory(0, 1, 44 * MiB, 12 * MiB, parameter=8 * MiB),
+          _step(1, 1, 960 * MiB, peak_mem_bytes=50 * MiB)]
+
+
+def test_memory_history_prefers_memory_events(tmp_path):
+    run = _replayed_run(tmp_path / "run", EVENTS)
+    memory = run.memory_history()
+    assert memory[["rank", "step", "peak_bytes", "source"]].values.tolist() == [
+        [0, 0, 40 * MiB, "memory"], [0, 1, 44 * MiB, "memory"],
+        [1, 0, 950 * MiB, "mem_bytes"], [1, 1, 50 * MiB, "peak_mem_bytes"]]
+    assert memory["live_bytes"].tolist()[:2] == [10 * MiB, 12 * MiB]
+    assert memory["activation"].tolist()[0] == 32 * MiB and memory["parameter"].tolist()[1] == 8 * MiB
+    assert list(_replayed_run(tmp_path / "empty", []).memory_history().columns) == [
+        "rank", "step", "peak_bytes", "live_bytes", "source", "time"]
+
+
+def test_memory_panel_draws_each_ranks_memory_per_step(dashboards, tmp_path, monkeypatch):
+    run = _replayed_run(tmp_path / "replayed", EVENTS)
+    monkeypatch.setattr(dashboard_module, "launch", lambda *args, **kwargs: run)  # the run already happened
+    dash = dashboards(preset="tiny", nproc=2, dp_shard=2, steps=2)
+    assert dash.launch() is run and dash.wait(30) is run
+    traces = {t.name: t for t in dash.memory_fig.data}
+    assert set(traces) == {"tiny dp_shard=2 r0", "tiny dp_shard=2 r1"}
+    r0, r1 = traces["tiny dp_shard=2 r0"], traces["tiny dp_shard=2 r1"]
+    assert (list(r0.x), list(r0.y), list(r0.text)) == ([0, 1], [40.0, 44.0], ["memory", "memory"])
+    assert (list(r1.y), list(r1.text)) == ([950.0, 50.0], ["mem_bytes", "peak_mem_bytes"])
+    assert r0.line.dash != r1.line.dash and r0.line.color == r1.line.color  # one run, one colour
+    assert dash.memory_fig.layout.title.text == "Memory per step: each rank's peak within the step"
+    dash.clear()
+    assert len(dash.memory_fig.data) == 0
 
 
 def test_core_never_imports_the_widget_layer():

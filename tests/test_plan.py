@@ -239,6 +239,55 @@ def test_cli_text_summary_reads_hf_config(tmp_path, capsys):
     assert f"{params:,} parameters" in out
 
 
+def test_cli_memory_json_gives_the_predicted_peak_of_every_rank_and_the_fit():
+    from workbench import memory
+    from workbench.config import JobConfig
+    from workbench.plan import plan_configs
+
+    cmd = [sys.executable, "-m", "workbench.cli", "plan", "tiny", "--dp-shard", "2", "--memory", "cpu", "--budget",
+           "64MiB", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "ok" and doc["memory_device"] == "cpu"
+
+    # The same job the CLI builds (plan_configs from the flags), predicted here.
+    parallel, train = plan_configs(dp_shard=2)
+    job = JobConfig(model=PRESETS["tiny"], parallel=parallel, train=train)
+    expected = memory.peak_per_rank(memory.predict(job, device="cpu", progress=False))
+    assert {int(r): b for r, b in doc["predicted_peak_bytes"].items()} == {int(r): int(b) for r, b in expected.items()}
+    assert doc["summary"]["max_predicted_peak_bytes"] == int(expected.max())
+
+    fit = doc["fit"]
+    assert fit["device"] == "cpu" and fit["budget_bytes"] == 64 * 2**20 and fit["peak_bytes"] == int(expected.max())
+    assert fit["fits"] is True and fit["fits"] == (fit["peak_bytes"] <= fit["budget_bytes"])
+    fitting = [int(m) for m, peak in fit["tried"].items() if peak <= fit["budget_bytes"]]
+    assert fit["micro_batch"] == max(fitting) and fit["peak_at_micro_batch"] == fit["tried"][str(fit["micro_batch"])]
+    assert fit["text"].startswith("fits in 64.00 MiB")
+
+
+def test_cli_memory_text_and_errors(capsys):
+    from workbench.cli import main
+
+    p = workbench.plan("tiny", ParallelConfig(dp_shard=2))
+    assert "predicted_peak_bytes" not in p.to_dict() and "memory_device" not in p.summary()  # exports never predict
+
+    assert main(["plan", "tiny", "--tp", "2", "--memory", "cpu"]) == 0
+    out = capsys.readouterr().out
+    section = out[out.index("predicted peak memory per rank (cpu"):].splitlines()
+    # tp=2 ranks run alike: one line, one value, both ranks.
+    assert len(section) == 2 and section[1].split("ranks ")[1].startswith("0-1  at ")
+    assert "activation" in section[1]
+
+    assert main(["plan", "tiny", "--tp", "2", "--memory", "cpu", "--budget", "80 gigs"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: memory budget '80 gigs': write bytes or a size like 80GiB, 24GB, 512MiB"]
+    # --memory alone targets cuda (predicted on any machine).
+    assert main(["plan", "tiny", "--tp", "2", "--memory", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["memory_device"] == "cuda" and set(doc["predicted_peak_bytes"]) == {"0", "1"}
+
+
 def test_plan_inside_an_initialised_process_group_uses_a_subprocess(tmp_path):
     import torch.distributed as dist
 

@@ -7,6 +7,7 @@ what ``plan.blocks`` / ``plan.local`` / ``plan.rank_bytes`` say, and stay quick 
 from __future__ import annotations
 
 import dataclasses
+import html
 import re
 import time
 
@@ -240,3 +241,83 @@ def test_llama_70b_on_1024_ranks_stays_quick(big_plan):
     # Generous bounds (2 shared CI cores); typical figures are in the report.
     assert construct < 10 and switch < 3 and filtering < 3 and rank < 3
 
+
+
+# --------------------------------------------------------------------------------------------------
+# predicted memory: the "Predict memory" button
+# --------------------------------------------------------------------------------------------------
+
+
+def test_predict_button_draws_every_ranks_peak_and_each_distinct_ranks_categories():
+    from workbench.models.llama import Transformer
+    from workbench.config import PRESETS
+
+    plan = workbench.plan("tiny", ParallelConfig(pp=2, dp_shard=2))  # 4 ranks, 2 distinct (one per stage)
+    view = ShardingPlanView(plan)
+    assert view.predicted is None and view.memory_box.children == ()
+    assert "Predict memory" in view.memory_note.value
+    assert view.controls["device"].value == "cuda"  # plans are for GPU jobs
+
+    # A typo in the budget is one line under the button, and so is a plan that cannot be predicted.
+    view.controls["budget"].value = "80 gigs"
+    view._on_predict(view.predict_button)
+    assert "ValueError: memory budget '80 gigs'" in html.unescape(view.memory_note.value)
+    assert view.predicted is None and not view.predict_button.disabled
+    factory_view = ShardingPlanView(workbench.plan(lambda: Transformer(PRESETS["tiny"]), ParallelConfig(tp=2)))
+    factory_view.predict(device="cpu")
+    note = html.unescape(factory_view.memory_note.value)
+    assert "ValueError: plan of '<lambda>' was made from a model factory" in note and "\n" not in note
+
+    view.controls["budget"].value = ""
+    view.controls["device"].value = "cpu"
+    view._on_predict(view.predict_button)  # what a click does
+    peaks = plan.predicted_peaks("cpu")
+    assert list(peaks.index) == [0, 1, 2, 3]
+    (line,) = [t for t in view.bytes_fig.data if (t.meta or {}).get("role") == "predicted"]
+    assert list(line.x) == [0, 1, 2, 3] and np.allclose(np.asarray(line.y) * 2**30, peaks.to_numpy())
+    assert view.predicted.equals(peaks)
+    # The plan's own per-rank bytes stay, and a prediction includes more than they count (activations).
+    bars = {t.name: np.asarray(t.y) * 2**30 for t in view.bytes_fig.data if t.type == "bar"}
+    assert set(bars) == {"parameter", "gradient", "optimizer", "master"}
+    assert (peaks.to_numpy() > sum(bars.values())).all()
+    assert not [t for t in view.bytes_fig.data if (t.meta or {}).get("role") == "budget"]  # no budget given
+
+    # One stacked bar per distinct rank (one per pipeline stage), its categories summing to its peak.
+    timeline = plan.predict_memory("cpu")
+    table = timeline.peaks().set_index("rank")
+    assert view.memory_box.children == (view.memory_fig,)
+    stacked = {t.name: np.asarray(t.y) * 2**30 for t in view.memory_fig.data}
+    assert "activation" in stacked and all(len(y) == len(table) == 2 for y in stacked.values())
+    assert np.allclose(sum(stacked.values()), table["peak_bytes"].to_numpy())
+    assert list(view.memory_fig.data[0].x) == [f"rank {r} (×2)" for r in table.index]
+    assert view.memory_fig.layout.shapes == ()
+    note = html.unescape(view.memory_note.value)
+    assert "predicted peak (cpu, activations included)" in note and format_bytes(peaks.max()) in note
+    view.select_rank(3)
+    assert f"<td>predicted peak (cpu)</td><td style='text-align:right'>{format_bytes(peaks[3])}</td>" \
+        in view.rank_info.value
+
+
+def test_predict_with_a_budget_draws_the_line_and_the_largest_micro_batch_that_fits():
+    plan = workbench.plan("tiny", ParallelConfig(dp_shard=2))
+    view = ShardingPlanView(plan)
+    peak = int(plan.predicted_peaks("cpu").max())
+    budget = peak - 1  # one byte short: the job as planned does not fit, a smaller micro batch does
+    view.predict(device="cpu", budget=str(budget))
+    fit = plan.fits(budget, device="cpu")  # cached: the answer the view got
+    assert view.fit is fit and not fit.fits and fit.peak_bytes == peak
+    assert fit.micro_batch is not None and fit.micro_batch < 4 and fit.peak_at_micro_batch <= budget
+    (line,) = [t for t in view.bytes_fig.data if (t.meta or {}).get("role") == "budget"]
+    assert list(line.y) == [budget / 2**30] * 2 and list(line.x) == [-0.5, 1.5]
+    (shape,) = view.memory_fig.layout.shapes
+    assert shape.y0 == shape.y1 == budget / 2**30
+    note = html.unescape(view.memory_note.value)
+    assert "does not fit</b> in " + format_bytes(budget) in note
+    assert f"largest micro batch that fits: <b>{fit.micro_batch}</b> (peak {format_bytes(fit.peak_at_micro_batch)})" \
+        in note
+
+    # Clicking again (answers cached by the plan) redraws the lines, it does not add more.
+    view.predict()
+    assert view.fit is fit
+    roles = [(t.meta or {}).get("role") for t in view.bytes_fig.data]
+    assert roles.count("predicted") == 1 and roles.count("budget") == 1

@@ -343,6 +343,8 @@ class TrainConfig(_JsonMixin):
     ac_every: int = setting(2, "selective checkpointing: every K-th block", min=1, metavar="K")
     spmd_rules: bool = setting(True, "install workbench's DTensor sharding rules (workbench.spmd.install) in "
                                "the job; off: torch's own rules")
+    memory: bool = setting(False, "record a memory timeline of every rank into RUN_DIR/memory (categories, phases, "
+                           "steps; `workbench memory show RUN_DIR`)")
     # Checkpoints (workbench.checkpoint). keep: the newest K checkpoints (None = all), plus every
     # keep_every-th step.
     ckpt_every: int = setting(0, "save a checkpoint every N steps", min=0, off="0 turns it off",

@@ -10,7 +10,7 @@ Binary units (1 KiB = 1024 B), because memory and checkpoint sizes are powers of
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "BYTE_UNITS"]
+__all__ = ["format_bytes", "parse_bytes", "BYTE_UNITS"]
 
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -23,3 +23,25 @@ def format_bytes(n: float) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``80GiB``, ``"1.5 GB"``, ``2**30`` -> bytes; one ValueError line otherwise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"memory budget {value} must be positive")
+        return int(value)
+    text = str(value).strip().lower().replace(" ", "")
+    num = text.rstrip("kmgtib")
+    unit = text[len(num):]
+    try:
+        n = float(num)
+    except ValueError:
+        n = None
+    if n is None or unit not in _UNITS or n <= 0:
+        raise ValueError(f"memory budget {value!r}: write bytes or a size like 80GiB, 24GB, 512MiB")
+    return int(n * _UNITS[unit])

@@ -25,9 +25,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench import compat
 from workbench.config import ModelConfig
 
-__all__ = ["GroupedExperts", "MoEFeedForward", "grouped_swiglu"]
+__all__ = ["GroupedExperts", "MoEFeedForward", "grouped_swiglu", "expert_counts", "split_sizes"]
+
+
+def expert_counts(slot_expert: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Token-slots routed to each expert: ``(E,)`` int64.
+
+    Under FakeTensorMode (``workbench.memory`` predicting memory) the routing has no values to count;
+    the result is then a tensor of the right shape, and :func:`split_sizes` supplies the sizes.
+    """
+    if compat.is_fake(slot_expert):
+        return slot_expert.new_zeros(n_experts)
+    return torch.bincount(slot_expert, minlength=n_experts)
+
+
+def split_sizes(counts: torch.Tensor, total: int) -> list[int]:
+    """``counts.tolist()`` for a 1-D tensor of row counts (per expert, or per rank) that sum to ``total``.
+
+    Under FakeTensorMode the counts have no values, and routing is taken to be balanced: ``total``
+    rows spread evenly, the first entries taking one more where they do not divide.
+    """
+    if not compat.is_fake(counts):
+        return counts.tolist()
+    base, extra = divmod(total, counts.numel())
+    return [base + (i < extra) for i in range(counts.numel())]
 
 
 def grouped_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
@@ -60,7 +84,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (T, dim) token-slots sorted by expert; counts: (E,) slots per expert. -> (T, dim), same order."""
-        return grouped_swiglu(x, counts.tolist(), self.w1, self.w2, self.w3)
+        return grouped_swiglu(x, split_sizes(counts, x.shape[0]), self.w1, self.w2, self.w3)
 
 
 class MoEFeedForward(nn.Module):
@@ -87,7 +111,7 @@ class MoEFeedForward(nn.Module):
         n, k = x.shape[0], self.top_k
         probs, gates, experts = self.route(x)
         slot_expert = experts.flatten()  # slot j belongs to token j // k
-        counts = torch.bincount(slot_expert, minlength=self.n_experts)
+        counts = expert_counts(slot_expert, self.n_experts)
         order = slot_expert.argsort(stable=True)  # slots grouped by expert, token order kept within
         routed = self.experts(x[order // k], counts)
         slots = routed[order.argsort()].view(n, k, shape[-1])

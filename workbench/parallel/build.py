@@ -96,36 +96,44 @@ def build_stages(model: ModelConfig | Callable[[], nn.Module], parallel: Paralle
     if cfg is None and device.type != "meta":
         raise ValueError("a model factory can only be planned (device='meta'); pass a ModelConfig to build "
                          "real weights")
+    # Everything on meta runs outside any dispatch mode: meta tensors are not memory, so a memory
+    # recorder has nothing to see until materialize, and under FakeTensorMode (memory prediction) the
+    # model stays a plain meta model, which to_empty then turns into fake tensors.
+    with compat.outside_dispatch_modes():
+        parts, ids, layers, n_stages = _meta_stages(cfg, model, parallel, train, mesh, pp_rank)
+        parts = [shard(part, parallel, mesh, train) for part in parts]
+    modules = []
+    for part in parts:
+        if device.type != "meta":
+            materialize(part, cfg, train.seed, device)
+        dim = ddp_dim(parallel) if mesh is not None else None
+        if dim is not None:
+            # Meta and fake tensors (a plan; a memory prediction) have no values to check or broadcast.
+            part = _ddp(part, mesh[dim], no_values=device.type == "meta" or compat.in_fake_mode())
+        modules.append(part)
+    return Stages(modules, ids, layers, n_stages, device, cfg)
+
+
+def _meta_stages(cfg: ModelConfig | None, model, parallel: ParallelConfig, train: TrainConfig,
+                 mesh: DeviceMesh | None, pp_rank: int | None):
+    """This rank's unsharded stage modules on meta: (modules, stage ids, layer ids, number of stages)."""
     with torch.device("meta"):
         whole = build_model(cfg, seed=None, device="meta") if cfg is not None else model()
     if train.dtype == "bfloat16":
         whole = whole.to(torch.bfloat16)
     n_layers = cfg.n_layers if cfg is not None else len(whole.layers)
-
     if parallel.pp == 1:
-        parts, ids, layers, n_stages = [whole], [0], [list(range(n_layers))], 1
-    else:
-        v = parallel.pp_stages_per_rank
-        n_stages = parallel.pp * v
-        split = split_layers(n_layers, n_stages)
-        if pp_rank is None:
-            pp_rank = mesh["pp"].get_local_rank()
-        ids = stage_ids(pp_rank, parallel.pp, v)
-        # Copies of a meta model cost nothing; the last stage prunes the model itself.
-        parts = [build_stage_module(whole, split[s], first=s == 0, last=s == n_stages - 1,
-                                    in_place=j == len(ids) - 1) for j, s in enumerate(ids)]
-        layers = [split[s] for s in ids]
-
-    modules = []
-    for part in parts:
-        part = shard(part, parallel, mesh, train)
-        if device.type != "meta":
-            materialize(part, cfg, train.seed, device)
-        dim = ddp_dim(parallel) if mesh is not None else None
-        if dim is not None:
-            part = _ddp(part, mesh[dim], on_meta=device.type == "meta")
-        modules.append(part)
-    return Stages(modules, ids, layers, n_stages, device, cfg)
+        return [whole], [0], [list(range(n_layers))], 1
+    v = parallel.pp_stages_per_rank
+    n_stages = parallel.pp * v
+    split = split_layers(n_layers, n_stages)
+    if pp_rank is None:
+        pp_rank = mesh["pp"].get_local_rank()
+    ids = stage_ids(pp_rank, parallel.pp, v)
+    # Copies of a meta model cost nothing; the last stage prunes the model itself.
+    parts = [build_stage_module(whole, split[s], first=s == 0, last=s == n_stages - 1,
+                                in_place=j == len(ids) - 1) for j, s in enumerate(ids)]
+    return parts, ids, [split[s] for s in ids], n_stages
 
 
 def materialize(module: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> nn.Module:
@@ -141,7 +149,10 @@ def materialize(module: nn.Module, cfg: ModelConfig, seed: int, device: torch.de
         for name, p in module.named_parameters():
             whole = initial_value(cfg, param_name(name), tuple(p.shape), seed)
             if isinstance(p, DTensor):
-                shape, offset = offsets(p.shape, p.device_mesh, p.placements)
+                # torch computes the offset with small tensors and reads them back with int(): under
+                # FakeTensorMode (memory prediction) they must be real ones.
+                with compat.outside_dispatch_modes():
+                    shape, offset = offsets(p.shape, p.device_mesh, p.placements)
                 block = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
                 compat.local_tensor(p).copy_(block)
             else:
@@ -152,11 +163,11 @@ def materialize(module: nn.Module, cfg: ModelConfig, seed: int, device: torch.de
     return module
 
 
-def _ddp(module: nn.Module, dp_mesh: DeviceMesh, on_meta: bool) -> nn.Module:
-    if not on_meta:
+def _ddp(module: nn.Module, dp_mesh: DeviceMesh, no_values: bool) -> nn.Module:
+    if not no_values:
         return apply_ddp(module, dp_mesh)
-    # DDP's constructor checks shapes across ranks and broadcasts rank 0's weights; meta tensors have
-    # no values to read. Nothing else in DDP is skipped.
+    # DDP's constructor checks shapes across ranks and broadcasts rank 0's weights; meta and fake
+    # tensors have no values to read. Nothing else in DDP is skipped.
     with compat.ddp_without_rank_sync(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         return apply_ddp(module, dp_mesh)

@@ -44,7 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from workbench.config import ParallelConfig
-from workbench.models.moe import GroupedExperts, MoEFeedForward, grouped_swiglu
+from workbench.models.moe import GroupedExperts, MoEFeedForward, grouped_swiglu, split_sizes
 from workbench.parallel.collectives import Collective
 
 __all__ = ["apply_ep", "expert_meshes", "load_balancing_loss", "ep_comm", "load_balance_comm"]
@@ -80,8 +80,8 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
-def _source_to_expert_order(recv: torch.Tensor) -> torch.Tensor:
-    """recv[s, l] rows arrived from source s for local expert l, laid out (s, l)-major.
+def _source_to_expert_order(recv: torch.Tensor, total: int) -> torch.Tensor:
+    """recv[s, l] rows arrived from source s for local expert l, laid out (s, l)-major; ``total`` of them.
 
     Returns the index that reorders them (l, s)-major, so each local expert's rows are contiguous.
     """
@@ -91,7 +91,6 @@ def _source_to_expert_order(recv: torch.Tensor) -> torch.Tensor:
     by_expert = torch.arange(n_src * n_local, device=recv.device).view(n_src, n_local).t().flatten()
     lens, starts = lens[by_expert], starts[by_expert]
     new_starts = lens.cumsum(0) - lens
-    total = int(lens.sum())
     pos = torch.arange(total, device=recv.device)
     return pos - new_starts.repeat_interleave(lens, output_size=total) + starts.repeat_interleave(lens, output_size=total)
 
@@ -112,18 +111,20 @@ class ExpertParallelExperts(GroupedExperts):
         recv = torch.empty_like(counts)
         dist.all_to_all_single(recv, counts, group=group)  # my local experts' counts from each source
         recv = recv.view(ep, n_local)
-        send_splits = counts.view(ep, n_local).sum(1).tolist()
-        recv_splits = recv.sum(1).tolist()
+        # Row counts as numbers (under FakeTensorMode: balanced routing, each rank receiving as many
+        # rows as it sends; see workbench.models.moe.split_sizes).
+        send_splits = split_sizes(counts.view(ep, n_local).sum(1), x.shape[0])
+        recv_splits = split_sizes(recv.sum(1), x.shape[0])
 
         tokens = _AllToAll.apply(x, recv_splits, send_splits, group)
-        order = _source_to_expert_order(recv)
+        order = _source_to_expert_order(recv, sum(recv_splits))
         weights = []
         for w in (self.w1, self.w2, self.w3):
             local = w.to_local() if isinstance(w, DTensor) else w
             if local.requires_grad:
                 local.register_hook(lambda g: g / ep)  # sum over the ep group -> mean (see module doc)
             weights.append(local)
-        out = grouped_swiglu(tokens[order], recv.sum(0).tolist(), *weights)
+        out = grouped_swiglu(tokens[order], split_sizes(recv.sum(0), sum(recv_splits)), *weights)
         out = out[order.argsort()]
         return _AllToAll.apply(out, send_splits, recv_splits, group)
 

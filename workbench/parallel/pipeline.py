@@ -40,6 +40,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from workbench import compat
 from workbench.config import ParallelConfig
+from workbench.memory import marks
 from workbench.memory.probe import resize_storage_
 from workbench.parallel.collectives import Collective
 
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from workbench.parallel.build import Stages
 
 __all__ = ["split_layers", "stage_ids", "build_stage_module", "build_pipeline", "pp_comm", "Pipeline",
-           "ScheduleGPipeLean", "TimedStage", "pipeline_loss", "SCHEDULES"]
+           "ScheduleGPipeLean", "TimedStage", "pipeline_loss", "SCHEDULES", "hold_recv_buffers_for"]
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
@@ -93,7 +94,8 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class TimedStage(PipelineStage):
-    """A PipelineStage that records when each microbatch's forward (F) and backward (B) ran (wall clock)."""
+    """A PipelineStage that records when each microbatch's forward (F) and backward (B) ran (wall clock),
+    and marks them as memory phases "forward" and "backward" of that microbatch."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -101,7 +103,9 @@ class TimedStage(PipelineStage):
 
     def _timed(self, phase: str, chunk: int, fn, *args, **kwargs):
         t0 = time.time()
-        out = fn(chunk, *args, **kwargs)
+        # The memory phase and microbatch of what runs inside (workbench.memory.marks).
+        with marks.phase("forward" if phase == "F" else "backward"), marks.microbatch(chunk):
+            out = fn(chunk, *args, **kwargs)
         self.actions.append({"stage": self.stage_index, "microbatch": chunk, "phase": phase,
                              "start": t0, "end": time.time()})
         return out
@@ -111,6 +115,11 @@ class TimedStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
         return self._timed("B", bwd_chunk_id, super().backward_one_chunk, *args, **kwargs)
+
+    def perform_reduce_grad(self, *args, **kwargs):
+        # Gradient scaling and data-parallel reduction after the last backward belong to backward.
+        with marks.phase("backward"):
+            return super().perform_reduce_grad(*args, **kwargs)
 
 
 @contextmanager
@@ -144,6 +153,39 @@ def _shrink(recv_infos) -> None:
     for buf in _buffers(recv_infos):
         buf.grad = None
         resize_storage_(buf, 0)
+
+
+def hold_recv_buffers_for(stage: PipelineStage, n_microbatches: int) -> None:
+    """Make ``stage`` allocate receive buffers for ``n_microbatches`` when it sets up, however many
+    microbatches its schedule runs.
+
+    A stage allocates one activation and one gradient receive buffer per microbatch at its first step
+    and keeps them. A memory prediction that runs fewer microbatches than the job
+    (``workbench.prediction.fake.same_peak_job``) still has to hold all of them: the extra ones are copies
+    of microbatch 0's, never used.
+    """
+    import copy
+
+    def pad(table: dict) -> None:
+        first = table.get(0, ())
+        for i in range(len(table), n_microbatches):
+            infos = []
+            for info in first:
+                if isinstance(getattr(info, "buffer", None), torch.Tensor):
+                    info = copy.copy(info)
+                    info.buffer = torch.empty_like(info.buffer)
+                infos.append(info)
+            table[i] = tuple(infos)
+
+    def after(method, table_name):
+        def run(*args, **kwargs):
+            out = method(*args, **kwargs)
+            pad(getattr(stage, table_name))
+            return out
+        return run
+
+    stage._prepare_forward_infra = after(stage._prepare_forward_infra, "args_recv_info")
+    stage._prepare_backward_infra = after(stage._prepare_backward_infra, "grad_recv_info")
 
 
 def _p2p(ops) -> None:
@@ -246,12 +288,20 @@ class Pipeline:
         return sorted((a for s in self.stages for a in s.actions), key=lambda a: a["start"])
 
 
-def build_pipeline(stages: "Stages", parallel: ParallelConfig, mesh: DeviceMesh) -> Pipeline:
+def build_pipeline(stages: "Stages", parallel: ParallelConfig, mesh: DeviceMesh,
+                   example_io: list[tuple[tuple, tuple]] | None = None) -> Pipeline:
     """Wrap this rank's already built stage modules (``workbench.parallel.build.build_stages``) into
-    ``PipelineStage``s and the schedule that drives them."""
+    ``PipelineStage``s and the schedule that drives them.
+
+    ``example_io``: per stage, example (inputs, outputs) of one microbatch (meta tensors will do), given
+    to ``PipelineStage`` so it knows its boundary shapes without asking its neighbours (a fake run has
+    none to ask). Without it the stages infer them at the first step, as torch does by default.
+    """
     pp_mesh = mesh["pp"]
-    timed = [TimedStage(module, s, stages.n_stages, stages.device, group=pp_mesh.get_group())
-             for module, s in zip(stages.modules, stages.stage_ids)]
+    io = example_io or [((), ())] * len(stages.modules)
+    timed = [TimedStage(module, s, stages.n_stages, stages.device, group=pp_mesh.get_group(),
+                        **({"input_args": ins, "output_args": outs} if example_io else {}))
+             for module, s, (ins, outs) in zip(stages.modules, stages.stage_ids, io)]
     cls = SCHEDULES[parallel.pp_schedule]
     m = parallel.pp_microbatches
     schedule = cls(timed if parallel.pp_stages_per_rank > 1 else timed[0], n_microbatches=m,

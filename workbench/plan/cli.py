@@ -4,13 +4,20 @@ Text output is a summary (bytes per rank by category, worst and best rank; commu
 collective and mesh dimension). ``--json`` prints one document: the summary, every tensor with its
 placements, every rank's totals (``rank_bytes``: one list per category, indexed by rank) and the
 communication rows. Invalid layouts print one ``error:`` line and exit 2, as ``workbench train`` does.
+
+``--memory [cpu|cuda]`` also predicts each rank's peak memory, activations included, from one training
+step run on fake tensors (``ShardingPlan.predict_memory``), and prints it grouped by value; ``--budget
+80GiB`` answers whether the job fits per rank and the largest micro batch that does
+(``ShardingPlan.fits``). Under ``--json`` they are ``memory_device``, ``predicted_peak_bytes``
+(rank -> bytes) and ``fit``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from workbench.cli_output import emit_json, error
+from workbench.cli_output import EXIT_FAILED, emit_json, error
 from workbench.config import PRESETS
 from workbench.kinds import STATE_KINDS
 from workbench.settings import add_arguments, from_args, given
@@ -31,6 +38,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_arguments(p, "parallel")
     add_arguments(p, "train", only=PLAN_TRAIN_SETTINGS, given_only=True, help={
         "global_batch": "sequences per step (default: the smallest multiple of dp [x microbatches] >= 8)"})
+    p.add_argument("--memory", dest="memory_device", nargs="?", const="cuda", default=None,
+                   choices=("cpu", "cuda"),
+                   help="also predict each rank's peak memory, activations included, by running one training "
+                        "step on fake tensors (no GPU needed); the device the prediction targets. Given alone: "
+                        "cuda (what torch.cuda.max_memory_allocated would report), since plans are for GPU jobs")
+    p.add_argument("--budget", dest="memory_budget", default=None, metavar="SIZE",
+                   help="memory per rank, e.g. 80GiB: does the job fit, and the largest micro batch that does "
+                        "(predicted for the --memory device, cuda when not given)")
     p.add_argument("--json", action="store_true", help="print one JSON document (with every rank's totals)")
     p.set_defaults(func=cmd_plan)
 
@@ -49,8 +64,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result = plan(args.model, parallel, train)
     except (ValueError, TypeError) as e:
         return error(str(e), args.json)
+    device = args.memory_device or ("cuda" if args.memory_budget is not None else None)
+    fit = None
+    if device is not None:
+        from workbench.units import parse_bytes
+
+        try:  # the bar goes to stderr: a --json document on stdout stays clean
+            if args.memory_budget is not None:
+                parse_bytes(args.memory_budget)  # a typo fails before seconds of prediction
+            result.predict_memory(device, progress=not args.json)
+            if args.memory_budget is not None:
+                fit = result.fits(args.memory_budget, device=device, progress=not args.json)
+        except (ValueError, TypeError) as e:
+            return error(_one_line(e), args.json)
+        except RuntimeError as e:  # a prediction that ran and failed
+            return error(_one_line(e), args.json, code=EXIT_FAILED)
     if args.json:
-        emit_json({"status": "ok", **result.to_dict()})
+        doc = {"status": "ok", **result.to_dict()}
+        if fit is not None:
+            doc["fit"] = {"device": device, **dataclasses.asdict(fit), "text": str(fit)}
+        emit_json(doc)
         return 0
     s = result.summary()
     mesh = " ".join(f"{k}={v}" for k, v in s["mesh"].items())
@@ -81,4 +114,45 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"{'total (busiest rank)':<43} {format_bytes(s['comm_bytes_per_step']):>14}")
     for note in result.notes:
         print(f"note: {note}")
+    if device is not None:
+        _print_memory(result, device, fit)
     return 0
+
+
+def _print_memory(result, device: str, fit) -> None:
+    """Predicted peak per rank, ranks of equal peak on one line, then the fit answer."""
+    tl = result.predict_memory(device)
+    peaks = result.predicted_peaks(device)
+    at_peak = {r: tl.peak(r) for r in tl.ranks}  # the distinct ranks the prediction ran
+    rank_map = {int(k): int(v) for k, v in tl.meta.get("rank_map", {}).items()}
+    groups: dict[int, list[int]] = {}
+    for rank, b in peaks.items():
+        groups.setdefault(int(b), []).append(int(rank))
+    print()
+    print(f"predicted peak memory per rank ({device}, activations included; {len(at_peak)} distinct rank(s) "
+          f"simulated):")
+    for b, ranks in sorted(groups.items(), reverse=True):
+        p = at_peak.get(rank_map.get(ranks[0], ranks[0]))
+        where = ""
+        if p is not None:
+            top = sorted(p.by_category.items(), key=lambda kv: -kv[1])[:3]
+            where = f"  at {p.phase}: " + ", ".join(f"{c} {format_bytes(v)}" for c, v in top)
+        print(f"{format_bytes(b):>14}  ranks {_rank_ranges(ranks)}{where}")
+    if fit is not None:
+        print(f"budget: {fit}")
+
+
+def _one_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _rank_ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5, 8, 9]`` -> ``"0-2, 5, 8-9"``."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)

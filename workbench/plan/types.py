@@ -174,6 +174,57 @@ class ShardingPlan(RendersInNotebook):
         self.notes = list(notes or [])
         self._index = {(t.name, t.kind): t for t in self.tensors}
 
+    # -- predicted memory (activations included) -----------------------------------------------
+
+    def _job(self):
+        from workbench.config import JobConfig
+
+        if self.model is None:
+            raise ValueError(f"plan of {self.model_name!r} was made from a model factory; predict memory from a "
+                             "ModelConfig or preset (workbench.plan('small', ...))")
+        return JobConfig(model=self.model, parallel=self.parallel, train=self.train)
+
+    def predict_memory(self, device: str = "cpu", progress: bool = False):
+        """The predicted memory timeline of every distinct rank (``workbench.memory.predict``): the
+        plan's bytes by category plus activations, temporaries and communication buffers, over one
+        real step on fake tensors. Cached per device."""
+        cache = self.__dict__.setdefault("_memory", {})
+        if device not in cache:
+            from workbench import memory
+
+            cache[device] = memory.predict(self._job(), device=device, progress=progress)
+        return cache[device]
+
+    def predicted_peaks(self, device: str = "cpu") -> "pd.Series":
+        """Predicted peak bytes of every rank (index: rank)."""
+        cache = self.__dict__.setdefault("_peaks", {})
+        if device not in cache:
+            from workbench import memory
+
+            cache[device] = memory.peak_per_rank(self.predict_memory(device))
+        return cache[device].copy()
+
+    def fits(self, budget: int | float | str, device: str = "cuda", progress: bool = False):
+        """Does this plan's job fit in ``budget`` per rank (``"80GiB"``), and the largest micro batch that
+        does (:class:`workbench.prediction.memory.FitAnswer`). Cached per (budget, device): the search
+        runs several predictions."""
+        from workbench import memory
+        from workbench.units import parse_bytes
+
+        key = (parse_bytes(budget), device)
+        cache = self.__dict__.setdefault("_fits", {})
+        if key not in cache:
+            cache[key] = memory.fits(self._job(), key[0], device=device, progress=progress)
+        return cache[key]
+
+    def _predicted(self) -> tuple[str, "pd.Series"] | None:
+        """(device, peak bytes per rank) of the device predicted last, or None: exports never predict."""
+        cache = self.__dict__.get("_memory") or {}
+        if not cache:
+            return None
+        device = list(cache)[-1]
+        return device, self.predicted_peaks(device)
+
     # -- ranks and coordinates -----------------------------------------------------------------
 
     def coords(self, rank: int) -> tuple[int, ...]:
@@ -350,7 +401,16 @@ class ShardingPlan(RendersInNotebook):
             "max_rank_bytes": {k: int(rb[k].max()) for k in (*KINDS, "total")},
             "min_rank_bytes": {k: int(rb[k].min()) for k in (*KINDS, "total")},
             "comm_bytes_per_step": self.comm_bytes_per_step(),
+            **self._predicted_summary(),
         }
+
+    def _predicted_summary(self) -> dict[str, Any]:
+        predicted = self._predicted()
+        if predicted is None:
+            return {}
+        device, peaks = predicted
+        return {"memory_device": device, "max_predicted_peak_bytes": int(peaks.max()),
+                "min_predicted_peak_bytes": int(peaks.min())}
 
     def to_dict(self) -> dict[str, Any]:
         rb = self._rank_bytes
@@ -366,11 +426,21 @@ class ShardingPlan(RendersInNotebook):
             "comm": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
                      for row in self._comm_rows],
             "notes": self.notes,
+            **self._predicted_peaks_dict(),
         }
+
+    def _predicted_peaks_dict(self) -> dict[str, Any]:
+        predicted = self._predicted()
+        if predicted is None:
+            return {}
+        device, peaks = predicted
+        return {"memory_device": device, "predicted_peak_bytes": {int(r): int(b) for r, b in peaks.items()}}
 
     def to_json(self) -> str:
         """Everything, json-safe: every tensor, every rank's totals (``rank_bytes``: lists indexed by
-        rank) and the communication rows. :meth:`from_json` reads it back."""
+        rank) and the communication rows; once :meth:`predict_memory` has run, also ``memory_device`` and
+        ``predicted_peak_bytes`` (rank -> bytes) of the latest prediction. :meth:`from_json` reads it back
+        (without the prediction)."""
         return json.dumps(self.to_dict(), default=_json_default)
 
     @classmethod

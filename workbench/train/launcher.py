@@ -34,6 +34,7 @@ from workbench.train.events import LAUNCHER_RANK, EventReader, follow
 from workbench.train.outcome import RunFailed, root_cause
 
 METRIC_COLUMNS = ["rank", "step", "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr", "time"]
+MEMORY_COLUMNS = ["rank", "step", "peak_bytes", "live_bytes", "source", "time"]
 
 
 def _terminate_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -69,6 +70,7 @@ class Run(RendersInNotebook):
         self._reader = EventReader(run_dir)
         self._events: list[dict[str, Any]] = []
         self._steps: dict[int, list[dict[str, Any]]] = {}  # rank -> its step events, in order
+        self._memory: dict[int, list[dict[str, Any]]] = {}  # rank -> its memory events (runs with --memory)
         self._first_errors: dict[int, dict[str, Any]] = {}  # rank -> its first error event
         self._started: set[int] = set()
         self._read_lock = threading.Lock()  # a view's poller thread and the user's cell both read
@@ -110,6 +112,8 @@ class Run(RendersInNotebook):
                 kind, rank = e.get("type"), e.get("rank")
                 if kind == "step":
                     self._steps.setdefault(rank, []).append(e)
+                elif kind == "memory":
+                    self._memory.setdefault(rank, []).append(e)
                 elif kind == "error":
                     self._first_errors.setdefault(rank, e)
                 elif kind == "start":
@@ -207,6 +211,31 @@ class Run(RendersInNotebook):
         columns of :attr:`metrics`). Live: call it again for what has arrived since."""
         self._all_events()
         return {rank: _metric_frame(steps) for rank, steps in sorted(self._steps.items())}
+
+    def memory_history(self) -> pd.DataFrame:
+        """Memory per (rank, step) so far, one row each, in (rank, step) order: ``peak_bytes`` within the
+        step and ``live_bytes`` at its end, plus bytes per category at the peak (one column per category,
+        NaN where unknown). ``source`` says where a row comes from: ``memory`` (the rank's ``memory``
+        event, written by runs with ``--memory``), else ``peak_mem_bytes`` (the pipeline's peak probe) or
+        ``mem_bytes`` (the step event: the device's peak allocation on CUDA, the resident set on CPU);
+        those two have no ``live_bytes``. Live: call it again for what has arrived since."""
+        self._all_events()
+        rows: dict[tuple[int, int], dict[str, Any]] = {}
+        for rank, steps in self._steps.items():
+            for e in steps:
+                key = "peak_mem_bytes" if e.get("peak_mem_bytes") is not None else "mem_bytes"
+                if e.get(key) is not None:
+                    rows[rank, e["step"]] = {"rank": rank, "step": e["step"], "peak_bytes": e[key],
+                                             "live_bytes": None, "source": key, "time": e.get("time")}
+        for rank, events in self._memory.items():
+            for e in events:
+                rows[rank, e["step"]] = {"rank": rank, "step": e["step"], "peak_bytes": e.get("peak_bytes"),
+                                         "live_bytes": e.get("live_bytes"), "source": "memory",
+                                         "time": e.get("time"), **(e.get("by_category") or {})}
+        if not rows:
+            return pd.DataFrame(columns=MEMORY_COLUMNS)
+        df = pd.DataFrame([rows[k] for k in sorted(rows)])
+        return df[MEMORY_COLUMNS + [c for c in df.columns if c not in MEMORY_COLUMNS]]
 
     def losses(self, rank: int = 0) -> list[float]:
         df = self.metrics

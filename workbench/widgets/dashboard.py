@@ -11,6 +11,9 @@ redraws::
     dash.wait()              # block until the run ends, still updating (for headless notebooks)
 
 Earlier runs stay in the plots, so layouts can be compared on one chart until "Clear" is pressed.
+The memory plot shows each rank's memory per step (:meth:`Run.memory_history`): the peak within the
+step from the ranks' ``memory`` events when the run records memory (``memory=True``), else the step
+events' own ``mem_bytes``; its title says which.
 A pipeline run (pp > 1) also gets a timeline of its latest complete step, drawn from the ranks'
 ``schedule`` events with the measured bubble next to the theory; a mixture-of-experts run gets its
 tokens per expert. Both show the latest run only.
@@ -38,6 +41,12 @@ from workbench.widgets.plots import (RANK_DASHES, RUN_COLORS, plot_pipeline_time
 
 # The training settings the dashboard shows controls for (every ParallelConfig setting gets one).
 TRAIN_CONTROLS = ("data", "steps", "global_batch", "seed")
+# What the memory plot shows, by where Run.memory_history found it.
+MEMORY_TITLES = {
+    "memory": "Memory per step: each rank's peak within the step",
+    "peak_mem_bytes": "Memory per step: each rank's peak tensor bytes",
+    "mem_bytes": "Memory per step: mem_bytes (memory=True records the peak within each step)",
+}
 
 
 def _human(n: int) -> str:
@@ -73,6 +82,7 @@ class _RunView:
     history: dict[int, Any] = field(default_factory=dict)  # run.history() when last drawn
     loss_traces: dict[int, Any] = field(default_factory=dict)
     tps_traces: dict[int, Any] = field(default_factory=dict)
+    mem_traces: dict[int, Any] = field(default_factory=dict)
     pipeline_events: list[dict] = field(default_factory=list)  # `pipeline` + `schedule`, for the timeline
     moe_events: list[dict] = field(default_factory=list)  # `moe` + `step` (its aux_loss)
     timeline_step: int | None = None  # the step the timeline shows
@@ -146,6 +156,7 @@ class RunDashboard:
         self.error_panel = widgets.HTML("", layout=widgets.Layout(display="none", width="100%"))
         self.loss_fig = self._figure("Loss per step", "loss")
         self.tps_fig = self._figure("Throughput per step", "tokens/s")
+        self.memory_fig = self._figure("Memory per step", "MiB")
         # Shown only for the runs that write their events: pipeline (pp > 1) and mixture-of-experts runs.
         self.bubble_label = widgets.HTML("")
         self.timeline_fig = go.FigureWidget(layout={"height": 260, "width": 1040, "title": "Pipeline timeline"})
@@ -160,7 +171,7 @@ class RunDashboard:
             widgets.HBox([c["nproc"], *self.layout_controls.values()], layout=wrap),
             widgets.HBox([self.launch_button, self.stop_button, self.clear_button, self.progress, self.status]),
             self.error_panel,
-            widgets.HBox([self.loss_fig, self.tps_fig], layout=widgets.Layout(flex_flow="row wrap")),
+            widgets.HBox([self.loss_fig, self.tps_fig, self.memory_fig], layout=widgets.Layout(flex_flow="row wrap")),
             self.timeline_box,
             self.experts_box,
         ])
@@ -224,7 +235,8 @@ class RunDashboard:
         with self._lock:
             # Earlier runs become wide, faint bands, so a new curve that lands on one stays visible.
             for earlier in self._views:
-                for trace in (*earlier.loss_traces.values(), *earlier.tps_traces.values()):
+                for trace in (*earlier.loss_traces.values(), *earlier.tps_traces.values(),
+                              *earlier.mem_traces.values()):
                     trace.line.width, trace.opacity = 6, 0.35
             self.runs.append(run)
             self._views.append(view)
@@ -291,7 +303,9 @@ class RunDashboard:
                 if v not in keep:
                     v.loss_traces.clear()
                     v.tps_traces.clear()
-            for fig, attr in ((self.loss_fig, "loss_traces"), (self.tps_fig, "tps_traces")):
+                    v.mem_traces.clear()
+            for fig, attr in ((self.loss_fig, "loss_traces"), (self.tps_fig, "tps_traces"),
+                              (self.memory_fig, "mem_traces")):
                 kept = [t for v in keep for t in getattr(v, attr).values()]
                 fig.data = [t for t in fig.data if any(t is k for k in kept)]
 
@@ -318,11 +332,14 @@ class RunDashboard:
             events = view.run.events_since(view.seen)
             view.seen += len(events)
             touched: set[int] = set()
+            memory_touched: set[int] = set()
             new_kinds: set[str] = set()
             for e in events:
                 kind, rank = e.get("type"), e.get("rank")
                 if kind == "step":
                     touched.add(rank)
+                if kind in ("step", "memory"):
+                    memory_touched.add(rank)
                 if kind in ("pipeline", "schedule"):
                     view.pipeline_events.append(e)
                     new_kinds.add("schedule")
@@ -332,6 +349,8 @@ class RunDashboard:
             if touched:
                 view.history = view.run.history()
                 self._redraw(view, touched)
+            if memory_touched:
+                self._redraw_memory(view, memory_touched)
             if view is self._views[-1] and "schedule" in new_kinds:
                 self._redraw_timeline(view)
             if view is self._views[-1] and "moe" in new_kinds:
@@ -356,6 +375,30 @@ class RunDashboard:
                         traces[rank] = fig.data[-1]
                     traces[rank].x = tuple(h["step"].tolist())
                     traces[rank].y = tuple(h[key].tolist())
+
+    def _redraw_memory(self, view: _RunView, ranks: set[int]) -> None:
+        """Each rank's memory per step, from ``Run.memory_history`` (its ``source`` names the title)."""
+        memory = view.run.memory_history()
+        if memory.empty:
+            return
+        with self.memory_fig.batch_update():
+            for rank, h in memory[memory["rank"].isin(ranks)].groupby("rank"):
+                rank = int(rank)
+                if rank not in view.mem_traces:
+                    self.memory_fig.add_scatter(
+                        mode="lines+markers", name=f"{view.label} r{rank}", legendgroup=view.label,
+                        line={"color": view.color, "dash": RANK_DASHES[rank % len(RANK_DASHES)]},
+                        marker={"size": 4}, hovertemplate="step %{x}: %{y:.1f} MiB (%{text})<extra></extra>",
+                    )
+                    view.mem_traces[rank] = self.memory_fig.data[-1]
+                trace = view.mem_traces[rank]
+                trace.x = tuple(h["step"].tolist())
+                trace.y = tuple((h["peak_bytes"] / 2**20).tolist())
+                trace.text = tuple(h["source"].tolist())
+            if view is self._views[-1]:
+                sources = set(memory["source"])
+                source = "memory" if "memory" in sources else memory["source"].iloc[-1]
+                self.memory_fig.layout.title.text = MEMORY_TITLES[source]
 
     def _redraw_timeline(self, view: _RunView) -> None:
         """Show the latest step every pipeline rank has reported (step 0, warm-up, only until step 1)."""

@@ -27,6 +27,11 @@ A thin view: every number comes from the plan (``plan.blocks``, ``plan.block_gro
 * **bytes per rank**: parameter, gradient, optimizer and master bytes stacked, one bar per rank.
 * **rank**: the selected rank's coordinates, its local shape and offsets of the selected tensor, and its
   byte totals.
+* **predicted memory** (the "Predict memory" button, or :meth:`predict`): ``plan.predict_memory(device)``
+  runs one training step on fake tensors (seconds to minutes); the predicted peak of every rank,
+  activations included, is drawn as a line over the bytes per rank, each distinct rank's peak is drawn
+  stacked by category, and a budget ("80GiB") is a horizontal line with ``plan.fits(budget, device)``'s
+  answer: whether it fits, and the largest micro batch that does.
 
 The tensor list never holds more than ``max_list`` entries (the first matches), so a plan with thousands
 of tensors stays quick to search.
@@ -48,8 +53,11 @@ from plotly.graph_objs import FigureWidget  # its first import costs ~1 s (jsons
 from plotly.subplots import make_subplots
 
 from workbench.kinds import KIND_COLORS, STATE_KINDS
+from workbench.units import parse_bytes
+from workbench.memory.timeline import CATEGORIES as MEMORY_CATEGORIES
 from workbench.plan.types import group_blocks
 from workbench.units import format_bytes
+from workbench.widgets.memory_view import CATEGORY_COLORS as MEMORY_COLORS
 
 CATEGORIES = STATE_KINDS
 CATEGORY_COLORS = {k: KIND_COLORS[k] for k in STATE_KINDS}
@@ -64,6 +72,8 @@ STATE_STYLE = {
 ABSENT_COLOR = "#dddddd"  # a mesh cell whose rank holds none of the tensor (another stage or owner)
 BLOCKS_CACHE = 64  # tensors whose blocks the view keeps, so going back and forth is instant
 LABEL_BLOCKS_MAX = 64  # above this many distinct blocks, replica counts go in the hover, not on the picture
+PREDICTED_COLOR = "#000000"  # the predicted peak per rank, over the bytes per rank
+BUDGET_COLOR = "#d62728"
 
 
 def _ints(v: Any) -> tuple[int, ...] | None:
@@ -116,8 +126,9 @@ class ShardingPlanView:
 
     ``tensor`` (a name) and ``kind`` pick the first tensor shown (default: the first tensor of ``kind``);
     ``rank`` the first selected rank; ``max_list`` caps the tensor list. Drive it from code through
-    ``controls`` (``filter``, ``regex``, ``kind``, ``tensor``, ``rank``), :meth:`select_tensor` and
-    :meth:`select_rank`; read back ``tensor``, ``rank``, ``matches`` and ``blocks``.
+    ``controls`` (``filter``, ``regex``, ``kind``, ``tensor``, ``rank``, ``device``, ``budget``),
+    :meth:`select_tensor`, :meth:`select_rank` and :meth:`predict` (what the "Predict memory" button
+    does); read back ``tensor``, ``rank``, ``matches``, ``blocks``, ``predicted`` and ``fit``.
     """
 
     def __init__(self, plan: Any, *, tensor: str | None = None, kind: str = "parameter", rank: int = 0,
@@ -136,6 +147,8 @@ class ShardingPlanView:
         self._current: int | None = None
         self._rank = rank
         self._busy = False  # set while the view updates its own controls, so observers don't re-enter
+        self._predicted: tuple[str, pd.Series] | None = None  # (device, peak bytes per rank) once predicted
+        self._fit: Any = None
 
         self.rank_bytes = plan.rank_bytes()
         # Mesh picture: drop size-1 dims; the last two are the grid, the ones before them the facets.
@@ -160,6 +173,11 @@ class ShardingPlanView:
             "tensor": widgets.Select(options=[], rows=10, layout=widgets.Layout(width="440px")),
             "rank": widgets.BoundedIntText(rank, min=0, max=self.world_size - 1, description="rank", style=style,
                                            layout=widgets.Layout(width="140px")),
+            # Plans are for GPU jobs: cuda (max_memory_allocated) first, predicted on any machine.
+            "device": widgets.Dropdown(options=["cuda", "cpu"], value="cuda", description="target",
+                                       style=style, layout=widgets.Layout(width="140px")),
+            "budget": widgets.Text("", description="budget per rank", placeholder="e.g. 80GiB", style=style,
+                                   layout=widgets.Layout(width="230px")),
         }
         c = self.controls
         self.count_label = widgets.HTML("")
@@ -172,6 +190,18 @@ class ShardingPlanView:
             "plot_bgcolor": "#f4f4f4", "legend": {"orientation": "h", "y": -0.12, "font": {"size": 10}},
             "hovermode": "closest"})
         self.bytes_fig = self._bytes_figure()
+        self.predict_button = widgets.Button(description="Predict memory", button_style="primary",
+                                             tooltip="run one training step on fake tensors: the peak of every "
+                                                     "rank, activations included")
+        self.memory_note = widgets.HTML(
+            "<span style='font-size:12px;color:#555'>Predict memory: each rank's peak, activations included "
+            "(one training step on fake tensors; seconds to minutes)</span>")
+        self.memory_fig = FigureWidget(layout={
+            "barmode": "stack", "height": 300, "width": 1080, "margin": {"l": 60, "r": 10, "t": 50, "b": 40},
+            "yaxis": {"title": "GiB"}, "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1,
+                                                  "xanchor": "right"}})
+        self.memory_box = widgets.VBox([])  # holds memory_fig once there is a prediction
+        self.predict_button.on_click(self._on_predict)
 
         c["filter"].observe(lambda _: self._refilter(), "value")
         c["regex"].observe(lambda _: self._refilter(), "value")
@@ -192,6 +222,9 @@ class ShardingPlanView:
             widgets.HBox([widgets.VBox([self.mesh_fig]), widgets.VBox([c["rank"], self.rank_info],
                                                                       layout=widgets.Layout(width="380px"))]),
             self.bytes_fig,
+            widgets.HBox([self.predict_button, c["device"], c["budget"]]),
+            self.memory_note,
+            self.memory_box,
         ])
 
         self._refilter(redraw=False)
@@ -238,6 +271,16 @@ class ShardingPlanView:
         """The distinct blocks of the selected tensor, as drawn (:meth:`ShardingPlan.block_groups`)."""
         return self._blocks(self._current)[1]
 
+    @property
+    def predicted(self) -> pd.Series | None:
+        """The predicted peak bytes per rank drawn (``plan.predicted_peaks``), or None before a prediction."""
+        return None if self._predicted is None else self._predicted[1].copy()
+
+    @property
+    def fit(self) -> Any:
+        """``plan.fits(budget, device)`` of the last prediction with a budget (a FitAnswer), else None."""
+        return self._fit
+
     # -- actions ------------------------------------------------------------------------------------
     def select_tensor(self, name: str, kind: str = "parameter") -> None:
         """Show tensor ``name`` of ``kind`` (it need not match the filter)."""
@@ -259,6 +302,110 @@ class ShardingPlanView:
             finally:
                 self._busy = False
         self._show_rank()
+
+    def predict(self, device: str | None = None, budget: str | None = None) -> None:
+        """Predict every rank's peak memory and draw it (the "Predict memory" button). ``device`` and
+        ``budget`` set the controls first. A failure shows as one line under the button."""
+        if device is not None:
+            self.controls["device"].value = device
+        if budget is not None:
+            self.controls["budget"].value = str(budget)
+        self._on_predict(self.predict_button)
+
+    def _on_predict(self, button: Any = None) -> None:
+        device = self.controls["device"].value
+        budget = self.controls["budget"].value.strip()
+        self.predict_button.disabled = True
+        self._fit = None
+        try:
+            budget_bytes = parse_bytes(budget) if budget else None  # a typo fails before the prediction
+            self._note(f"predicting memory for {device} (one step on fake tensors)…", busy=True)
+            timeline = self.plan.predict_memory(device)
+            self._predicted = (device, self.plan.predicted_peaks(device))
+            self._draw_predicted(timeline, budget_bytes)
+            if budget_bytes is not None:
+                self._note(f"searching the largest micro batch that fits in {format_bytes(budget_bytes)}…",
+                           busy=True)
+                self._fit = self.plan.fits(budget, device=device)
+            self.memory_note.value = self._memory_html(budget_bytes)
+        except Exception as exc:  # a view answers in one line, never a traceback
+            lines = str(exc).strip().splitlines()
+            self._note(f"{type(exc).__name__}: {lines[0] if lines else 'failed'}", error=True)
+        finally:
+            self.predict_button.disabled = False
+        self._show_rank()
+
+    def _note(self, text: str, busy: bool = False, error: bool = False) -> None:
+        color = "#d62728" if error else "#555"
+        icon = "⏳ " if busy else ""
+        self.memory_note.value = f"<span style='font-size:12px;color:{color}'>{icon}{html.escape(text)}</span>"
+
+    def _draw_predicted(self, timeline: Any, budget_bytes: int | None) -> None:
+        device, peaks = self._predicted
+        ranks = peaks.index.to_numpy()
+        budget = [] if budget_bytes is None else [dict(
+            type="scatter", x=[-0.5, self.world_size - 0.5], y=[budget_bytes / 2**30] * 2, mode="lines",
+            name=f"budget {format_bytes(budget_bytes)}", line={"color": BUDGET_COLOR, "dash": "dash", "width": 2},
+            hovertemplate=f"budget {format_bytes(budget_bytes)}<extra></extra>", meta={"role": "budget"})]
+        with self.bytes_fig.batch_update():
+            self.bytes_fig.data = [t for t in self.bytes_fig.data
+                                   if (t.meta or {}).get("role") not in ("predicted", "budget")]
+            self.bytes_fig.add_traces([dict(
+                type="scatter", x=ranks.tolist(), y=(peaks.to_numpy() / 2**30).tolist(),
+                mode="lines+markers" if self.world_size <= 64 else "lines", line={"shape": "hvh", "width": 2,
+                                                                                   "color": PREDICTED_COLOR},
+                marker={"size": 6}, name=f"predicted peak ({device}, activations included)",
+                customdata=[format_bytes(b) for b in peaks.tolist()],
+                hovertemplate="rank %{x}<br>predicted peak: %{customdata}<extra></extra>",
+                meta={"role": "predicted", "device": device}), *budget])
+        # Each distinct rank's peak, stacked by category; the ranks it stands for in its label.
+        table = timeline.peaks()
+        stands_for: dict[int, list[int]] = {}
+        for r, rep_ in (timeline.meta.get("rank_map") or {}).items():
+            stands_for.setdefault(int(rep_), []).append(int(r))
+        labels = [f"rank {r}" + (f" (×{len(stands_for[r])})" if len(stands_for.get(r, ())) > 1 else "")
+                  for r in table["rank"].tolist()]
+        hover = [f"rank {r}: peak {format_bytes(b)} in {ph} (step {st})<br>stands for ranks "
+                 f"{_rank_ranges(sorted(stands_for.get(r, [r])))}"
+                 for r, b, ph, st in zip(table["rank"].tolist(), table["peak_bytes"].tolist(),
+                                         table["phase"].tolist(), table["step"].tolist())]
+        traces = [dict(type="bar", x=labels, y=(table[c].to_numpy() / 2**30).tolist(), name=c,
+                       marker={"color": MEMORY_COLORS[c], "line": {"width": 0}}, hovertext=hover,
+                       hovertemplate=f"%{{hovertext}}<br>{c}: %{{y:.3f}} GiB<extra></extra>", meta={"role": c})
+                  for c in MEMORY_CATEGORIES if table[c].any()]
+        line = [] if budget_bytes is None else [{  # across the whole plot, however few bars
+            "type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": "y", "y0": budget_bytes / 2**30,
+            "y1": budget_bytes / 2**30, "line": {"color": BUDGET_COLOR, "dash": "dash", "width": 2}}]
+        note = [] if budget_bytes is None else [{
+            "xref": "paper", "x": 1, "xanchor": "right", "yref": "y", "y": budget_bytes / 2**30, "yanchor": "bottom",
+            "text": f"budget {format_bytes(budget_bytes)}", "showarrow": False, "font": {"color": BUDGET_COLOR}}]
+        with self.memory_fig.batch_update():
+            self.memory_fig.data = ()
+            self.memory_fig.add_traces(traces)
+            self.memory_fig.layout.shapes = line
+            self.memory_fig.layout.annotations = note
+            self.memory_fig.layout.title = {
+                "text": f"Predicted peak of each distinct rank by category ({device}; {len(table)} distinct of "
+                        f"{self.world_size:,} ranks)", "font": {"size": 13}}
+            self.memory_fig.layout.xaxis = {"title": "rank (the ranks each stands for in the hover)"}
+        self.memory_box.children = (self.memory_fig,)
+
+    def _memory_html(self, budget_bytes: int | None) -> str:
+        device, peaks = self._predicted
+        worst = int(peaks.max())
+        spread = (f"{format_bytes(worst)} on every rank" if peaks.min() == worst else
+                  f"{format_bytes(peaks.min())} to {format_bytes(worst)} per rank (rank {int(peaks.idxmax())} highest)")
+        text = f"predicted peak ({html.escape(device)}, activations included): {spread}"
+        if budget_bytes is not None:
+            fits = worst <= budget_bytes
+            verdict = (f"<b style='color:{'#2ca02c' if fits else BUDGET_COLOR}'>"
+                       f"{'fits' if fits else 'does not fit'}</b> in {format_bytes(budget_bytes)}")
+            if self._fit is not None:
+                mb = self._fit.micro_batch
+                verdict += (f"; largest micro batch that fits: <b>{mb}</b> (peak "
+                            f"{format_bytes(self._fit.peak_at_micro_batch)})" if mb else "; no micro batch fits")
+            text += f"<br>{verdict}"
+        return f"<div style='font-size:12px;line-height:1.4'>{text}</div>"
 
     # -- filtering ----------------------------------------------------------------------------------
     def _refilter(self, redraw: bool = True) -> None:
@@ -582,6 +729,10 @@ class ShardingPlanView:
         row = self.rank_bytes.loc[rank]
         cells = "".join(f"<tr><td>{c}</td><td style='text-align:right'>{format_bytes(row[c])}</td></tr>"
                         for c in (*CATEGORIES, "total") if c in row.index)
+        if self._predicted is not None:
+            device, peaks = self._predicted
+            cells += (f"<tr><td>predicted peak ({html.escape(device)})</td>"
+                      f"<td style='text-align:right'>{format_bytes(peaks.loc[rank])}</td></tr>")
         return (f"<div style='font-size:12px;line-height:1.4'><b>rank {rank}</b> ({coords})<br>{holds}"
                 f"<table style='font-size:12px;line-height:1.2'>{cells}</table></div>")
 

@@ -1,0 +1,402 @@
+"""Record a memory timeline of this process: every tensor storage made and freed, with what it is.
+
+The CPU has no caching allocator to ask, so the recorder watches tensors the way the program makes
+them: a ``TorchDispatchMode`` sees every operator's outputs and logs each new storage once
+(``storage.nbytes()``), and a ``weakref.finalize`` on the storage logs its free. The same recorder runs
+on top of ``FakeTensorMode`` for predictions (fake storages have real sizes and lifetimes), so a
+prediction and a CPU measurement count the same things in the same way. On CUDA the trainer asks the
+caching allocator instead (:func:`cuda_timeline`).
+
+**Categories come from identity, learnt as the program reveals it**, and an allocation takes the
+strongest identity its storage ever has (``parameter > optimizer > gradient > checkpoint >
+communication > activation > temporary > other``):
+
+    parameter      a storage of a module parameter or buffer: every one when :meth:`MemoryRecorder.track`
+                   is given the model, and each module's direct parameters again as it runs forward
+                   (FSDP2 swaps the gathered, unsharded parameters in just before)
+    gradient       ``p.grad`` of the parameters an optimizer is about to step (a global optimizer
+                   step pre-hook, so no training code changes)
+    optimizer      the optimizer's state tensors after its step (AdamW's exp_avg, exp_avg_sq)
+    activation     tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``:
+                   the pack hook sees exactly what is saved). Under activation checkpointing the
+                   checkpoint's own hooks take over inside the region, and what it keeps for the
+                   recomputation is the region's inputs: a checkpointed module's tensor inputs
+                   (while grad is enabled) are activations too
+    communication  outputs and buffers of collectives (operators of the ``c10d``, ``_c10d_functional``
+                   and ``fsdp`` namespaces: FSDP2's all-gather and reduce-scatter buffers, DDP buckets)
+    checkpoint     storages made while the code is in ``phase("checkpoint")`` (staging copies)
+    temporary      everything else made in forward, backward or the optimizer step
+    other          everything else (data batches, outside any phase)
+
+**Phases** come from :mod:`workbench.memory.marks` (the step code marks forward, optimizer, checkpoint,
+build, the step and the micro-batch), except backward, which the recorder sees for itself: autograd's
+engine is running (this also catches the backward passes a pipeline schedule interleaves).
+**Module**: the innermost module whose forward is running (global forward hooks), named by its path
+in the tracked model.
+
+Storages resized in place (FSDP2 frees its unsharded parameters with ``storage.resize_(0)`` and
+regrows them for the next all-gather) are followed by wrapping ``UntypedStorage.resize_`` while the
+recorder runs. Not seen: tensors made inside a tensor subclass's own dispatch (DTensor's short-lived
+redistribution buffers) and memory that is not a tensor storage (gloo's own buffers, Python objects).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from workbench import compat
+from workbench.memory.marks import MARKS
+from workbench.memory.timeline import CATEGORIES, MemoryTimeline, TimelineBuilder
+
+__all__ = ["MemoryRecorder", "STRENGTH"]
+
+# the identity an allocation keeps when it has several (a gathered parameter passes through a collective)
+STRENGTH = {c: i for i, c in enumerate(("other", "temporary", "activation", "communication", "checkpoint",
+                                        "gradient", "optimizer", "parameter"))}
+assert set(STRENGTH) == set(CATEGORIES)
+_COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "fsdp")
+
+_ACTIVE: list["MemoryRecorder"] = []
+
+
+def _clean_name(name: str) -> str:
+    """A module path as the user wrote the model: without DDP's ``module.`` and wrapper segments."""
+    parts = [p for p in name.split(".") if p not in ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")]
+    if parts[:1] == ["module"]:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def _op_name(func) -> str:
+    name = getattr(func, "name", None)
+    try:
+        return name() if callable(name) else str(func)
+    except Exception:  # noqa: BLE001 - a name is only a label
+        return str(func)
+
+
+class MemoryRecorder:
+    """Logs every storage of this process between ``__enter__`` and ``__exit__``.
+
+    ``clock="wall"`` stamps events with seconds since the start (measured runs); ``"sequence"`` with
+    the event's position in microseconds (predictions, whose wall time means nothing).
+    Use::
+
+        rec = MemoryRecorder(rank=0)
+        with rec:
+            model = build(...)            # parameters are logged as they are made
+            rec.track(model=model)        # ... and named: parameters, and module paths for activations
+            train_step(model, opt)        # activations, gradients, optimizer state, temporaries
+        timeline = rec.timeline()         # a MemoryTimeline (workbench.memory.timeline)
+    """
+
+    def __init__(self, rank: int = 0, device: str | torch.device = "cpu", *, clock: str = "wall",
+                 source: str = "measured", allocator: str | None = None):
+        if not compat.check("memory.recorder"):
+            compat.require("memory.recorder", "memory recording", "upgrade torch (see `workbench doctor`)")
+        self.rank = rank
+        self.device = torch.device(device)
+        # whose block sizes to count: the device's own, or CUDA's when a prediction made on fake CPU
+        # tensors targets a GPU
+        self.allocator = allocator or self.device.type
+        self.clock = clock
+        self.source = source
+        self._builder = TimelineBuilder(rank)
+        self._live: dict[int, list] = {}  # id(storage) -> [ident, nbytes, weakref to storage]
+        self._final: dict[int, str] = {}  # ident -> strongest identity known
+        self._cat_live: dict[str, int] = {c: 0 for c in CATEGORIES}
+        self._live_bytes = 0
+        self._peak = 0
+        self._peak_by_cat: dict[str, int] = {}
+        self._step_peak = 0
+        self._step_peak_by_cat: dict[str, int] = {}
+        self._next_ident = 1
+        self._names: dict[int, str] = {}  # id(module) -> qualified name
+        self._module_stack: list[str] = []
+        self._seq = 0
+        self._t0 = 0.0
+        self._handles: list[Any] = []
+        self._mode = None
+        self._saved_hooks = None
+        self._resize_orig = None
+        self._graph_task = compat.get("current_graph_task_id")
+        self.overhead_s = 0.0  # time spent inside the recorder's own bookkeeping
+
+    # -- clock, phase ----------------------------------------------------------------------------
+    def _now(self) -> float:
+        if self.clock == "sequence":
+            self._seq += 1
+            return self._seq * 1e-6
+        return time.perf_counter() - self._t0
+
+    def _phase(self) -> str:
+        p = MARKS.phase
+        if p in ("checkpoint", "optimizer", "build"):
+            return p
+        if self._graph_task() != -1:
+            return "backward"
+        return p
+
+    def _round(self, n: int) -> int:
+        """Bytes as the device's allocator hands them out: CUDA's caching allocator rounds every block
+        up to a multiple of 512 bytes, and ``max_memory_allocated`` counts the rounded blocks."""
+        if self.allocator != "cuda" or n == 0:
+            return n
+        return -(-n // 512) * 512
+
+    # -- storages --------------------------------------------------------------------------------
+    def _storage(self, t: torch.Tensor):
+        if self.device.type == "cpu" and t.device.type not in ("cpu", "meta"):
+            return None
+        if self.device.type == "cuda" and t.device.type not in ("cuda", "meta"):
+            return None
+        try:
+            return t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def _see(self, t: torch.Tensor, category: str | None, op: str) -> int | None:
+        """Log ``t``'s storage if new; label it ``category`` if that is stronger. Returns its ident."""
+        storage = self._storage(t)
+        if storage is None:
+            return None
+        key = id(storage)
+        entry = self._live.get(key)
+        if entry is None:
+            phase = self._phase()
+            cat = category or ("checkpoint" if phase == "checkpoint" else
+                               "temporary" if phase in ("forward", "backward", "optimizer") else "other")
+            n = self._round(storage.nbytes())
+            ident = self._next_ident
+            self._next_ident += 1
+            module = self._module_stack[-1] if self._module_stack else ""
+            self._live[key] = entry = [ident, n, cat, module, op]
+            self._final[ident] = cat
+            self._add(n, cat)
+            self._builder.add(self._now(), n, cat, phase, MARKS.step, MARKS.microbatch, module, op, ident)
+            weakref.finalize(storage, self._freed, key, ident)
+            return ident
+        if category is not None:
+            self._relabel(entry, category)
+        return entry[0]
+
+    def _relabel(self, entry: list, category: str) -> None:
+        ident, n, cat = entry[0], entry[1], entry[2]
+        if STRENGTH[category] > STRENGTH[cat]:
+            self._cat_live[cat] -= n
+            self._cat_live[category] += n
+            entry[2] = category
+            self._final[ident] = category
+
+    def _add(self, n: int, cat: str) -> None:
+        self._live_bytes += n
+        self._cat_live[cat] += n
+        if self._live_bytes > self._step_peak:
+            self._step_peak = self._live_bytes
+            self._step_peak_by_cat = dict(self._cat_live)
+        if self._live_bytes > self._peak:
+            self._peak = self._live_bytes
+            self._peak_by_cat = dict(self._cat_live)
+
+    def _freed(self, key: int, ident: int) -> None:
+        entry = self._live.get(key)
+        if entry is None or entry[0] != ident:
+            return
+        del self._live[key]
+        n, cat = entry[1], entry[2]
+        self._live_bytes -= n
+        self._cat_live[cat] -= n
+        if n:
+            self._builder.add(self._now(), -n, cat, self._phase(), MARKS.step, MARKS.microbatch, entry[3],
+                              entry[4], ident)
+
+    def _resized(self, storage, nbytes: int) -> None:
+        entry = self._live.get(id(storage))
+        if entry is None:
+            return
+        nbytes = self._round(nbytes)
+        delta = nbytes - entry[1]
+        if not delta:
+            return
+        entry[1] = nbytes
+        if delta > 0:
+            self._add(delta, entry[2])
+        else:
+            self._live_bytes += delta
+            self._cat_live[entry[2]] += delta
+        module = self._module_stack[-1] if self._module_stack else entry[3]
+        self._builder.add(self._now(), delta, entry[2], self._phase(), MARKS.step, MARKS.microbatch, module,
+                          "resize_" if delta > 0 else "resize_(free)", entry[0])
+
+    # -- what tensors are --------------------------------------------------------------------------
+    def _locals(self, t) -> Iterable[torch.Tensor]:
+        if not isinstance(t, torch.Tensor):
+            return
+        if compat.get("is_traceable_wrapper_subclass")(t):
+            names, _ = t.__tensor_flatten__()
+            for name in names:
+                yield from self._locals(getattr(t, name, None))
+        else:
+            yield t
+
+    def label(self, tensors: Iterable[Any], category: str) -> None:
+        """Say what ``tensors`` are (storages not yet seen are logged now, e.g. made before recording)."""
+        for t in tensors:
+            for local in self._locals(t):
+                self._see(local, category, "(tracked)")
+
+    def track(self, model: nn.Module | Iterable[nn.Module] | None = None, optimizer=None) -> "MemoryRecorder":
+        """Learn the model's parameters and module names, and the optimizer's state."""
+        models = [] if model is None else [model] if isinstance(model, nn.Module) else list(model)
+        for m in models:
+            for name, mod in m.named_modules():
+                self._names.setdefault(id(mod), _clean_name(name))
+            self.label(m.parameters(), "parameter")
+            self.label(m.buffers(), "parameter")
+        if optimizer is not None:
+            self._learn_optimizer(optimizer, state=True)
+        return self
+
+    def _learn_optimizer(self, opt, *, grads: bool = False, state: bool = False) -> None:
+        if grads:
+            self.label((p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None), "gradient")
+        if state:
+            for st in opt.state.values():
+                self.label((v for v in st.values() if isinstance(v, torch.Tensor)), "optimizer")
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _make_mode(self):
+        tree_flatten = compat.get("pytree").tree_flatten
+        rec = self
+
+        class Recording(compat.get("TorchDispatchMode")):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if out is None or isinstance(out, (torch.device, torch.dtype, int, float, bool)):
+                    return out  # prim::device, sizes, scalars: half of all calls, nothing to count
+                t0 = time.perf_counter()
+                ns = getattr(func, "namespace", "")
+                comm = ns in _COMM_NAMESPACES
+                name = None
+                outs = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+                for t in outs:
+                    if isinstance(t, torch.Tensor):
+                        name = name or _op_name(func)
+                        for local in rec._locals(t):
+                            rec._see(local, "communication" if comm else None, name)
+                if comm:  # buffers handed to a collective (DDP buckets, FSDP2's all-gather input)
+                    name = name or _op_name(func)
+                    for t in tree_flatten((args, kwargs))[0]:
+                        if isinstance(t, torch.Tensor):
+                            for local in rec._locals(t):
+                                rec._see(local, "communication", name)
+                rec.overhead_s += time.perf_counter() - t0
+                return out
+
+        return Recording()
+
+    def _pack(self, t):
+        for local in self._locals(t):
+            self._see(local, "activation", "(saved)")
+        return t
+
+    def _pre_forward(self, module, args):
+        self._module_stack.append(self._names.get(id(module), type(module).__name__))
+        if type(module).__name__ == "CheckpointWrapper" and torch.is_grad_enabled():
+            self.label((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), "activation")
+        # FSDP2 has just swapped in the gathered parameters: they are parameters, not activations
+        for p in module._parameters.values():
+            if p is not None:
+                for local in self._locals(p):
+                    self._see(local, "parameter", "(unshard)")
+
+    def _post_forward(self, module, args, output):
+        if self._module_stack:
+            self._module_stack.pop()
+
+    def _opt_pre(self, opt, args, kwargs):
+        self._learn_optimizer(opt, grads=True)
+
+    def _opt_post(self, opt, args, kwargs):
+        self._learn_optimizer(opt, state=True)
+
+    def __enter__(self) -> "MemoryRecorder":
+        from torch.nn.modules import module as module_mod
+        from torch.optim import optimizer as optimizer_mod
+
+        self._t0 = time.perf_counter()
+        _ACTIVE.append(self)
+        self._handles = [
+            module_mod.register_module_forward_pre_hook(self._pre_forward),
+            module_mod.register_module_forward_hook(self._post_forward),
+            optimizer_mod.register_optimizer_step_pre_hook(self._opt_pre),
+            optimizer_mod.register_optimizer_step_post_hook(self._opt_post),
+        ]
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saved_hooks.__enter__()
+        self._wrap_resize()
+        self._mode = self._make_mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+        self._unwrap_resize()
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(*exc)
+            self._saved_hooks = None
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+    def _wrap_resize(self) -> None:
+        """Follow in-place storage resizes (FSDP2's free/regrow of unsharded parameters)."""
+        if _ACTIVE and _ACTIVE[0] is not self:
+            return  # the outermost recorder wraps once and tells every active recorder
+        orig = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            out = orig(storage, size)
+            for rec in list(_ACTIVE):
+                rec._resized(storage, int(size))
+            return out
+
+        self._resize_orig = orig
+        torch.UntypedStorage.resize_ = resize_
+
+    def _unwrap_resize(self) -> None:
+        if self._resize_orig is not None:
+            torch.UntypedStorage.resize_ = self._resize_orig
+            self._resize_orig = None
+
+    # -- results ---------------------------------------------------------------------------------
+    @property
+    def live_bytes(self) -> int:
+        return self._live_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak
+
+    def step_summary(self) -> dict[str, Any]:
+        """Live bytes now, and the peak since the last call with its bytes per category (for the
+        per-step ``memory`` event the dashboard plots); starts the next step's peak from now."""
+        out = {"live_bytes": int(self._live_bytes), "peak_bytes": int(self._step_peak),
+               "by_category": {c: int(v) for c, v in self._step_peak_by_cat.items() if v}}
+        self._step_peak = self._live_bytes
+        self._step_peak_by_cat = dict(self._cat_live)
+        return out
+
+    def timeline(self, **meta) -> MemoryTimeline:
+        """The events so far, each labelled with the strongest identity its storage ever had."""
+        return self._builder.timeline(self._final, source=self.source, device=self.allocator,
+                                      meta={"recording_overhead_s": round(self.overhead_s, 6), **meta})

@@ -1,0 +1,274 @@
+"""``workbench memory record|predict|compare|import|show``: memory timelines from the command line.
+
+    workbench memory record small --dp-shard 2 --out runs/m     # train with --memory; peaks per rank
+    workbench memory predict llama-70b --nproc 1024 --tp 8 --pp 4 --device cuda --budget 80GiB
+    workbench memory compare runs/m                             # measured vs predicted (predicted now)
+    workbench memory import snapshot_rank*.pickle --out imported/
+    workbench memory show runs/m [--rank 1]
+
+Every command takes ``--json`` and then prints one JSON document. Bad input is one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from workbench.cli_output import EXIT_FAILED, emit_json, error
+from workbench.config import PRESETS
+from workbench.settings import add_arguments, from_args
+from workbench.units import format_bytes
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("memory", help="memory timelines: record a run, predict a layout, compare, import, show",
+                       description="Memory timelines per rank, in one schema for measured, predicted and "
+                                   "imported (torch snapshot, profiler) timelines.")
+    msub = p.add_subparsers(dest="memory_command", required=True, parser_class=type(p))
+
+    r = msub.add_parser("record", help="train with --memory and report each rank's peak",
+                        description="Run `workbench train ... --memory`: every rank records its timeline "
+                                    "into RUN_DIR/memory.")
+    _model_and_layout(r)
+    r.add_argument("--out", default=None, help="run directory (default: ./runs/<time>)")
+    r.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_record)
+
+    pr = msub.add_parser("predict", help="predict every rank's timeline with one fake step (any world size)",
+                         description="Run one real training step under FakeTensorMode and a fake process "
+                                     "group for every distinct rank, and print the peak bytes per rank.")
+    _model_and_layout(pr)
+    pr.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="what to predict: the CPU recorder's peak, or CUDA's max_memory_allocated")
+    pr.add_argument("--budget", default=None, metavar="SIZE",
+                    help="memory per rank, e.g. 80GiB: say whether the job fits and the largest micro batch "
+                         "that does")
+    pr.add_argument("--out", default=None, help="save the predicted timeline into this directory")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_predict)
+
+    c = msub.add_parser("compare", help="measured against predicted, per rank and category",
+                        description="Compare a run's measured timeline with a prediction (default: predict "
+                                    "the run's own job now).")
+    c.add_argument("measured", help="a run directory (or its memory/) recorded with --memory")
+    c.add_argument("predicted", nargs="?", default=None, help="a saved prediction (default: predict now)")
+    c.add_argument("--device", choices=("cpu", "cuda"), default=None, help="prediction target (default: the run's)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_compare)
+
+    i = msub.add_parser("import", help="import torch CUDA snapshots or a profiler trace as a timeline",
+                        description="Read torch.cuda.memory._dump_snapshot pickles (never unpickling code) or "
+                                    "a profiler chrome trace with memory events; save it as a timeline.")
+    i.add_argument("paths", nargs="+", help="snapshot pickles (one per rank) or one profiler trace .json")
+    i.add_argument("--out", default=None, help="save the imported timeline into this directory")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_import)
+
+    s = msub.add_parser("show", help="summarise a timeline: peak per rank, what is alive at the peak",
+                        description="Summarise a saved timeline (a run directory, memory/ or a saved "
+                                    "prediction): the peak of each rank, its categories and largest tensors.")
+    s.add_argument("path")
+    s.add_argument("--rank", type=int, default=None, help="only this rank")
+    s.add_argument("--top", type=int, default=8, help="largest allocations alive at the peak to list")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_show)
+
+
+def _model_and_layout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help=f"preset ({', '.join(PRESETS)}) or a Hugging Face config.json path")
+    p.add_argument("--nproc", type=int, default=None, help="processes (default: product of the degrees)")
+    add_arguments(p, ("parallel", "train"))
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from workbench.cli import cmd_train
+    from workbench.memory.timeline import MemoryTimeline
+
+    args.memory = True
+    if not args.out:
+        import time
+
+        args.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    out = sys.stdout
+    if args.json:  # the train summary is not this command's document
+        import io
+
+        sys.stdout = io.StringIO()
+    try:
+        code = cmd_train(args)
+    finally:
+        captured, sys.stdout = sys.stdout, out
+    if code != 0:
+        if args.json:
+            sys.stdout.write(captured.getvalue() if hasattr(captured, "getvalue") else "")
+        return code
+    try:
+        tl = MemoryTimeline.load(args.out)
+    except (FileNotFoundError, ValueError) as e:
+        return error(str(e), args.json, EXIT_FAILED)
+    return _report(tl, args, run_dir=args.out)
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from workbench.prediction.memory import fits, peak_per_rank, predict
+
+    settings = dict(parallel=from_args(args, "parallel"), train=from_args(args, "train"), nproc=args.nproc)
+    try:
+        tl = predict(args.model, device=args.device, progress=not args.json, **settings)
+        answer = fits(args.model, args.budget, device=args.device, **settings) if args.budget else None
+    except (ValueError, TypeError) as e:
+        return error(str(e), args.json)
+    if args.out:
+        tl.save(args.out)
+    peaks = peak_per_rank(tl)
+    if args.json:
+        doc = {"status": "ok", **tl.summary(), "peak_bytes_per_rank": {str(k): int(v) for k, v in peaks.items()},
+               "max_peak_bytes": int(peaks.max()), "peaks": tl.peaks().to_dict(orient="records")}
+        doc.pop("job", None)
+        if answer is not None:
+            doc["fit"] = {"budget_bytes": answer.budget_bytes, "fits": answer.fits,
+                          "largest_micro_batch": answer.micro_batch, "peak_at_micro_batch": answer.peak_at_micro_batch,
+                          "tried": {str(k): v for k, v in answer.tried.items()}}
+        emit_json(doc)
+        return 0
+    m = tl.meta
+    print(f"{m['model']}  [{m['layout']}]  {m['world_size']} ranks, predicted for {tl.device} "
+          f"({len(tl.ranks)} distinct rank(s) simulated in {m['prediction_s']:.1f} s)")
+    _print_peaks(tl)
+    groups = peaks.groupby(peaks).groups
+    print()
+    print("peak per rank:")
+    for value, ranks in sorted(groups.items(), key=lambda kv: -kv[0]):
+        print(f"  {format_bytes(value):>12}  ranks {_ranges(list(ranks))}")
+    if answer is not None:
+        print()
+        print(answer)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from workbench.config import JobConfig
+    from workbench.memory.comparison import compare
+    from workbench.prediction.memory import predict
+    from workbench.memory.timeline import MemoryTimeline
+
+    try:
+        measured = MemoryTimeline.load(args.measured)
+        if args.predicted:
+            predicted = MemoryTimeline.load(args.predicted)
+        else:
+            run_dir = Path(args.measured)
+            cfg = run_dir / "config.json" if (run_dir / "config.json").exists() else run_dir.parent / "config.json"
+            if not cfg.exists():
+                raise FileNotFoundError(f"no config.json beside {args.measured}: pass a saved prediction too")
+            predicted = predict(JobConfig.load(cfg), device=args.device or measured.device, progress=not args.json)
+        result = compare(measured, predicted)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        return error(str(e).strip("'\""), args.json)
+    if args.json:
+        emit_json({"status": "ok", **result.summary(), "ranks": result.to_frame().to_dict(orient="records")})
+        return 0
+    frame = result.to_frame()
+    print(frame.to_string(index=False))
+    s = result.summary()
+    print()
+    print(", ".join(f"{k}: {v}" for k, v in s.items() if not isinstance(v, (dict, list))))
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from workbench.memory import snapshot
+
+    try:
+        kinds = {p: snapshot.identify_memory_file(p) for p in args.paths}
+        for p, k in kinds.items():  # a pickle we cannot tell apart: the reader says exactly what is wrong
+            if k is None and Path(p).suffix.lower() in (".pickle", ".pkl", ".pk"):
+                kinds[p] = "snapshot"
+        unknown = [p for p, k in kinds.items() if k is None]
+        if unknown:
+            raise ValueError(f"{unknown[0]} is neither a torch memory snapshot nor a profiler trace with memory "
+                             "events")
+        if any(k == "timeline" for k in kinds.values()):
+            raise ValueError(f"{next(p for p, k in kinds.items() if k == 'timeline')} is already a workbench "
+                             "timeline: open it with `workbench memory show`")
+        if any(k == "profiler" for k in kinds.values()):
+            if len(args.paths) != 1:
+                raise ValueError("import one profiler trace at a time")
+            tl = snapshot.import_profiler_trace(args.paths[0])
+        else:
+            tl = snapshot.import_snapshots(args.paths)
+    except (FileNotFoundError, ValueError) as e:
+        return error(str(e), args.json)
+    if args.out:
+        tl.save(args.out)
+    return _report(tl, args)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from workbench.memory.timeline import MemoryTimeline
+
+    try:
+        tl = MemoryTimeline.load(args.path)
+        if args.rank is not None:
+            tl = tl.rank(args.rank)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        return error(str(e).strip("'\""), args.json)
+    return _report(tl, args)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _report(tl, args: argparse.Namespace, run_dir: str | None = None) -> int:
+    top = getattr(args, "top", 8)
+    if args.json:
+        doc = {"status": "ok", **tl.summary(), "peaks": tl.peaks().to_dict(orient="records"),
+               "alive_at_peak": {str(r): tl.alive_at_peak(r, top=top).to_dict(orient="records") for r in tl.ranks}}
+        doc.pop("job", None)
+        if run_dir:
+            doc["run_dir"] = run_dir
+        emit_json(doc)
+        return 0
+    where = f" ({run_dir}/memory)" if run_dir else ""
+    print(f"{tl.source} memory timeline, {tl.device}, {len(tl.ranks)} rank(s), {len(tl):,} events{where}")
+    _print_peaks(tl)
+    for r in tl.ranks:
+        alive = tl.alive_at_peak(r, top=top)
+        if alive.empty:
+            continue
+        print()
+        print(f"rank {r}: largest allocations alive at the peak")
+        for a in alive.itertuples():
+            print(f"  {format_bytes(a.bytes):>12}  {a.category:<13} {a.phase:<9} {a.module or '-':<28} {a.op}")
+    return 0
+
+
+def _print_peaks(tl) -> None:
+    from workbench.memory.timeline import CATEGORIES
+
+    peaks = tl.peaks()
+    cats = [c for c in CATEGORIES if peaks[c].any()]
+    print(f"{'rank':>5} {'peak':>12} {'phase':<10} {'step':>4}  " + " ".join(f"{c[:12]:>12}" for c in cats))
+    for r in peaks.itertuples():
+        print(f"{r.rank:>5} {format_bytes(r.peak_bytes):>12} {r.phase:<10} {r.step:>4}  "
+              + " ".join(f"{format_bytes(getattr(r, c)):>12}" for c in cats))
+
+
+def _ranges(ranks: list[int]) -> str:
+    ranks = sorted(int(r) for r in ranks)
+    out, start, prev = [], ranks[0], ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)
