@@ -156,3 +156,14 @@ def test_memory_cli_predict_and_import(tmp_path):
     proc = _cli("memory", "show", str(tmp_path / "nothing-here"))
     assert proc.returncode == 2 and proc.stderr.startswith("error:")
     assert set(CATEGORIES) >= set(saved.frame["category"].astype(str))
+
+
+@pytest.mark.multirank
+def test_a_crashed_rank_keeps_the_timeline_it_recorded(tmp_path):
+    run = workbench.launch("tiny", out=tmp_path / "crash", nproc=1, memory=True, fail_at={"rank": 0, "step": 2},
+                           **SHAPE)
+    run.wait(timeout=300, raise_on_error=False)
+    assert run.status == "failed"
+    tl = memory.load(run.run_dir)
+    assert tl.steps == [0, 1]  # everything up to the failure, nothing after
+    assert tl.peak(0).by_category["optimizer"] > 0

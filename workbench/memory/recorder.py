@@ -124,7 +124,8 @@ class MemoryRecorder:
         self._mode = None
         self._saved_hooks = None
         self._resize_orig = None
-        self._graph_task = compat.get("current_graph_task_id")
+        self._graph_task = compat.get("current_graph_task_id")  # looked up once: they run for every tensor
+        self._is_subclass = compat.get("is_traceable_wrapper_subclass")
         self.overhead_s = 0.0  # time spent inside the recorder's own bookkeeping
 
     # -- clock, phase ----------------------------------------------------------------------------
@@ -237,7 +238,7 @@ class MemoryRecorder:
     def _locals(self, t) -> Iterable[torch.Tensor]:
         if not isinstance(t, torch.Tensor):
             return
-        if compat.get("is_traceable_wrapper_subclass")(t):
+        if self._is_subclass(t):
             names, _ = t.__tensor_flatten__()
             for name in names:
                 yield from self._locals(getattr(t, name, None))

@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from workbench import compat
-from workbench.config import ParallelConfig
+from workbench.config import ModelConfig, ParallelConfig, TrainConfig
 from workbench.memory import marks
 from workbench.memory.probe import resize_storage_
 from workbench.parallel.collectives import Collective
@@ -286,6 +286,46 @@ class Pipeline:
     def actions(self) -> list[dict]:
         """The measured F/B actions of the last step, in start order."""
         return sorted((a for s in self.stages for a in s.actions), key=lambda a: a["start"])
+
+
+def stage_io(stages: "Stages", mcfg: ModelConfig, pcfg: ParallelConfig,
+             tcfg: TrainConfig) -> list[tuple[tuple, tuple]]:
+    """Example (inputs, outputs) of one microbatch for each of this rank's pipeline stages, on meta.
+
+    Given to the stages, they need not learn them from their neighbours at the first step: a fake rank
+    (memory prediction) has none to ask, and a real run skips torch 2.13's first-step shape inference,
+    whose forward graph stayed alive for the whole run (one microbatch of activations on stage 0). Torch
+    checks every microbatch against them::
+
+        input    stage 0: token ids (mb, seq) int64        later: hidden states (mb, seq', dim)
+        output   last stage: logits (mb, seq, vocab)       earlier: hidden states (mb, seq', dim)
+
+    ``seq' = seq / tp`` under sequence parallelism (each tp rank passes its slice of the sequence).
+    Hidden states are bfloat16 where the blocks' parameters are (dtype bfloat16, or FSDP2's bf16 mixed
+    precision policy) and float32 otherwise: under autocast the residual stream stays float32. Logits
+    are bfloat16 under any bf16 setting (autocast runs the output head in bfloat16).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from workbench import compat
+
+    mb = tcfg.global_batch // pcfg.dp // pcfg.pp_microbatches
+    seq = tcfg.seq_len
+    local_seq = seq // pcfg.tp if pcfg.sequence_parallel else seq
+    bf16 = tcfg.dtype == "bfloat16"
+    fsdp = isinstance(stages.modules[0], FSDPModule)
+    hidden_dtype = torch.bfloat16 if bf16 or (tcfg.mixed_precision == "bf16" and fsdp) else torch.float32
+    logits_dtype = torch.bfloat16 if bf16 or tcfg.mixed_precision == "bf16" else torch.float32
+    out = []
+    with compat.outside_dispatch_modes():  # plain meta tensors: shapes for the stages, not memory
+        # requires_grad: their gradients travel back (torch derives the gradients' shapes from these)
+        hidden = torch.empty((mb, local_seq, mcfg.dim), dtype=hidden_dtype, device="meta", requires_grad=True)
+        for s in stages.stage_ids:
+            ins = torch.empty((mb, seq), dtype=torch.long, device="meta") if s == 0 else hidden
+            outs = torch.empty((mb, seq, mcfg.vocab_size), dtype=logits_dtype, device="meta", requires_grad=True) \
+                if s == stages.n_stages - 1 else hidden
+            out.append(((ins,), (outs,)))
+    return out
 
 
 def build_pipeline(stages: "Stages", parallel: ParallelConfig, mesh: DeviceMesh,

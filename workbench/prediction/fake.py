@@ -18,7 +18,7 @@ accumulation. What a fake run cannot know is data: the batches are zeros of the 
 mixture-of-experts router is taken to spread tokens evenly over the experts
 (``workbench.models.moe.split_sizes``), which sizes its all-to-alls and expert matmuls. Where torch's
 code needs a value or a peer, the fake run answers it locally: DDP's bucket all-reduce and bucket
-rebuild (:func:`_fake_ddp`), the pipeline stages' shapes (:func:`pipeline_io`) and torch 2.13's warm-up
+rebuild (:func:`_fake_ddp`), the pipeline stages' shapes (``workbench.parallel.pipeline.stage_io``, which the trainer gives them too) and torch 2.13's warm-up
 vote (``compat.static_pipeline_stage``).
 
 A fake step costs about 0.2 ms per operator, whatever the tensor sizes: a llama-70b pipeline stage
@@ -154,8 +154,7 @@ def run_fake_steps(job: JobConfig, rank: int, *, device: str | torch.device = "c
             t0 = time.perf_counter()
             with phase("build"):
                 stages = build_stages(mcfg, pcfg, tcfg, fr.mesh, device, pp_rank=p)
-                io = pipeline_io(stages, job) if pcfg.pp > 1 else None
-                step_fn = build_train_step(stages, mcfg, pcfg, tcfg, fr.mesh, pipeline_io=io)
+                step_fn = build_train_step(stages, mcfg, pcfg, tcfg, fr.mesh)
             for module in stages.modules:
                 _fake_ddp(module)
             if step_fn.pipe is not None:
@@ -239,42 +238,6 @@ def same_peak_job(job: JobConfig) -> JobConfig:
         return job
     micro = tcfg.local_micro_batch(dp)
     return dataclasses.replace(job, train=dataclasses.replace(tcfg, global_batch=micro * 2 * dp))
-
-
-def pipeline_io(stages, job: JobConfig) -> list[tuple[tuple, tuple]]:
-    """Example (inputs, outputs) of one microbatch for each of this rank's pipeline stages, on meta.
-
-    A real run's stages learn these from their neighbours at the first step; a fake rank has no
-    neighbours, so they are worked out here (and torch checks every microbatch against them)::
-
-        input    stage 0: token ids (mb, seq) int64        later: hidden states (mb, seq', dim)
-        output   last stage: logits (mb, seq, vocab)       earlier: hidden states (mb, seq', dim)
-
-    ``seq' = seq / tp`` under sequence parallelism (each tp rank passes its slice of the sequence).
-    Hidden states are bfloat16 where the blocks' parameters are (dtype bfloat16, or FSDP2's bf16 mixed
-    precision policy) and float32 otherwise: under autocast the residual stream stays float32. Logits
-    are bfloat16 under any bf16 setting (autocast runs the output head in bfloat16).
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    mcfg, pcfg, tcfg = job.model, job.parallel, job.train
-    mb = tcfg.global_batch // pcfg.dp // pcfg.pp_microbatches
-    seq = tcfg.seq_len
-    local_seq = seq // pcfg.tp if pcfg.sequence_parallel else seq
-    bf16 = tcfg.dtype == "bfloat16"
-    fsdp = isinstance(stages.modules[0], FSDPModule)
-    hidden_dtype = torch.bfloat16 if bf16 or (tcfg.mixed_precision == "bf16" and fsdp) else torch.float32
-    logits_dtype = torch.bfloat16 if bf16 or tcfg.mixed_precision == "bf16" else torch.float32
-    out = []
-    with compat.outside_dispatch_modes():  # plain meta tensors: shapes for the stages, not memory
-        # requires_grad: their gradients travel back (torch derives the gradients' shapes from these)
-        hidden = torch.empty((mb, local_seq, mcfg.dim), dtype=hidden_dtype, device="meta", requires_grad=True)
-        for s in stages.stage_ids:
-            ins = torch.empty((mb, seq), dtype=torch.long, device="meta") if s == 0 else hidden
-            outs = torch.empty((mb, seq, mcfg.vocab_size), dtype=logits_dtype, device="meta", requires_grad=True) \
-                if s == stages.n_stages - 1 else hidden
-            out.append(((ins,), (outs,)))
-    return out
 
 
 class _NoRebuildReducer:

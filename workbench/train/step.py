@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from workbench.config import ModelConfig, ParallelConfig, TrainConfig
 from workbench.memory.marks import microbatch, phase, set_step
 from workbench.parallel.expert import load_balancing_loss
-from workbench.parallel.pipeline import Pipeline, build_pipeline
+from workbench.parallel.pipeline import Pipeline, build_pipeline, stage_io
 from workbench.parallel.precision import compute_context
 from workbench.train.data import micro_batches
 
@@ -183,6 +183,7 @@ def forward_backward(ts: TrainStep, batches) -> tuple[torch.Tensor, torch.Tensor
                 with compute_context(model, tcfg.mixed_precision, device.type):
                     logits = model(x.to(device))
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten()) / accum
+                del logits  # else it lives on through the next micro-batch's forward (the loss saved its own)
                 aux, load = load_balancing_loss(model, ts.dp_groups) if moe else (None, None)
                 total = loss if aux is None else loss + mcfg.router_aux_coef * aux / accum
             with phase("backward"):
@@ -221,15 +222,13 @@ def data_parallel_groups(parallel: ParallelConfig, mesh: DeviceMesh | None) -> l
 
 
 def build_train_step(stages, model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-                     mesh: DeviceMesh | None, *, pipeline_io: list | None = None) -> TrainStep:
+                     mesh: DeviceMesh | None) -> TrainStep:
     """The step over ``stages`` (``workbench.parallel.build.build_stages``): this rank's pipeline
-    schedule (pp > 1), the run's optimizer (AdamW, or ZeRO-1's) and its LR schedule.
-
-    ``pipeline_io``: the pipeline stages' example inputs and outputs (``build_pipeline``'s
-    ``example_io``); a fake run gives them, a real one lets the stages infer them."""
+    schedule (pp > 1, its stages told their boundary shapes: ``workbench.parallel.pipeline.stage_io``),
+    the run's optimizer (AdamW, or ZeRO-1's) and its LR schedule."""
     pipe = pp_group = None
     if parallel.pp > 1:
-        pipe = build_pipeline(stages, parallel, mesh, example_io=pipeline_io)
+        pipe = build_pipeline(stages, parallel, mesh, example_io=stage_io(stages, model_cfg, parallel, train))
         pp_group = mesh["pp"].get_group()
     opt = stages.optimizer(parallel, mesh, train)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(train))

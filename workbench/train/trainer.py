@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import sys
 import time
 from datetime import timedelta
 
@@ -184,7 +185,10 @@ def train(job: JobConfig, run_dir: str) -> None:
             dist.barrier()
     finally:
         if recorder is not None:  # a failed run keeps what it recorded up to the failure
-            _save_recording(recorder, job, run_dir, device)
+            try:
+                _save_recording(recorder, job, run_dir, device)
+            except Exception as e:  # noqa: BLE001 - never hide the run's own error behind this one
+                print(f"workbench: rank {rank} could not save its memory timeline: {e}", file=sys.stderr)
         events.close()
         dist.destroy_process_group()
 
