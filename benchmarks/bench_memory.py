@@ -1,6 +1,6 @@
 """Memory timelines: how close the prediction is to the measurement, and what recording and importing cost.
 
-    python benchmarks/bench_memory.py            # the full grid (14 layouts), overhead, 70b, 1 GB import
+    python benchmarks/bench_memory.py            # the full grid (16 layouts), overhead, 70b, 1 GB import
     python benchmarks/bench_memory.py --quick    # 2 layouts, a short overhead run, 100 MB import
 
 Four figures, each against a baseline measured in the same run:
