@@ -23,3 +23,18 @@ def workbench_cli() -> list[str]:
     """The console script of the environment running the tests."""
     exe = Path(sys.executable).with_name("workbench")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "workbench.cli"]
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A 1-rank gloo process group in this process (HashStore, no ports) and its 1-D mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

@@ -10,6 +10,15 @@ import pandas as pd
 
 LOSS_TOL, LOSS0_TOL, GNORM0_RTOL = 1e-3, 1e-5, 1e-4
 
+# The layouts every parity check covers (tests/test_parity.py, and the kernels' tests/test_kernels_training.py).
+LAYOUTS = {
+    "dp_replicate=2": dict(nproc=2, dp_replicate=2),
+    "dp_shard=2": dict(nproc=2, dp_shard=2),
+    "tp=2": dict(nproc=2, tp=2),
+    "tp=2+sp": dict(nproc=2, tp=2, sequence_parallel=True),
+    "dp_shard=2 x tp=2": dict(nproc=4, dp_shard=2, tp=2),
+}
+
 
 def assert_matches_reference(df: pd.DataFrame, ref: pd.DataFrame, name: str, *, loss_tol: float = LOSS_TOL,
                              loss0_tol: float = LOSS0_TOL, gnorm0_rtol: float = GNORM0_RTOL) -> float:

@@ -13,20 +13,13 @@ from __future__ import annotations
 import pytest
 
 import workbench
-from parity import LOSS_TOL, assert_matches_reference  # tests/parity.py
+from parity import LAYOUTS, LOSS_TOL, assert_matches_reference  # tests/parity.py
 
 pytestmark = pytest.mark.multirank
 
 STEPS, SEED = 5, 7
 TIMEOUT_S = 150  # a hang fails here, not at the CI limit
 
-LAYOUTS = {
-    "dp_replicate=2": dict(nproc=2, dp_replicate=2),
-    "dp_shard=2": dict(nproc=2, dp_shard=2),
-    "tp=2": dict(nproc=2, tp=2),
-    "tp=2+sp": dict(nproc=2, tp=2, sequence_parallel=True),
-    "dp_shard=2 x tp=2": dict(nproc=4, dp_shard=2, tp=2),
-}
 
 
 def _run(tmp_path_factory, name, **kw):

@@ -30,9 +30,7 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import workbench
 from workbench.cli import main as cli_main
@@ -173,17 +171,6 @@ def test_ac_saves_fewer_activation_bytes():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_rank_group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def _watch_compute_dtypes(model) -> set:
     """The dtype each Linear's weight has while it computes (under autocast: the cast operand's)."""
     seen = set()
@@ -200,8 +187,8 @@ def _assert_fp32_master_state(model, opt):
         assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
 
 
-def test_fsdp_policy_computes_bf16_with_fp32_master_weights(one_rank_group):
-    model = apply_fsdp(build_model(TINY, seed=7), one_rank_group, mp_policy=fsdp_mp_policy("bf16"))
+def test_fsdp_policy_computes_bf16_with_fp32_master_weights(one_rank_mesh):
+    model = apply_fsdp(build_model(TINY, seed=7), one_rank_mesh, mp_policy=fsdp_mp_policy("bf16"))
     seen, grads = _watch_compute_dtypes(model), set()
     _, opt = _train(model, _batches(1), "bf16", grads)
     assert seen == {torch.bfloat16} and grads == {torch.float32}
@@ -216,13 +203,13 @@ def test_autocast_computes_bf16_with_fp32_master_weights():
     _assert_fp32_master_state(model, opt)
 
 
-def test_fsdp_policy_and_autocast_agree(one_rank_group):
+def test_fsdp_policy_and_autocast_agree(one_rank_mesh):
     """The two engines of the bf16 recipe train the same model: within 5e-3 of each other over 5 steps
     (measured 1.8e-3), and each within 5e-2 of fp32 (measured 2.5e-3 on random tokens)."""
     batches = _batches(5)
     fp32, _ = _train(build_model(TINY, seed=7), batches)
     autocast, _ = _train(build_model(TINY, seed=7), batches, "bf16")
-    fsdp_model = apply_fsdp(build_model(TINY, seed=7), one_rank_group, mp_policy=fsdp_mp_policy("bf16"))
+    fsdp_model = apply_fsdp(build_model(TINY, seed=7), one_rank_mesh, mp_policy=fsdp_mp_policy("bf16"))
     fsdp, _ = _train(fsdp_model, batches, "bf16")
     assert autocast != fp32 and fsdp != fp32  # bf16 compute really happened
     assert max(abs(a - b) for a, b in zip(autocast, fsdp)) <= 5e-3

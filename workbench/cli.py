@@ -29,6 +29,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help=f"preset ({', '.join(PRESETS)}) or a Hugging Face config.json path")
     p.add_argument("--nproc", type=int, default=None, help="processes to start (default: product of the degrees)")
     add_arguments(p, ("parallel", "train"))
+    add_arguments(p, "model", given_only=True)  # over the model's own values only where typed
     p.add_argument("--out", default=None, help="run directory (default: ./runs/<time>)")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of progress")
@@ -36,10 +37,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from workbench.settings import from_args
+    from workbench.settings import from_args, given
     from workbench.train.launcher import build_job, launch
 
-    settings = dict(nproc=args.nproc, parallel=from_args(args, "parallel"), train=from_args(args, "train"))
+    settings = dict(nproc=args.nproc, parallel=from_args(args, "parallel"), train=from_args(args, "train"),
+                    **given(args, "model"))
     try:
         build_job(args.model, **settings)  # validate before anything is created or started
     except ValueError as e:
@@ -146,7 +148,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # Command groups that live next to the API they front: each module exposes ``add_parser(sub)``.
-_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.prediction.cli", "workbench.checkpoint.cli", "workbench.spmd.cli", "workbench.doctor"]
+_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.prediction.cli", "workbench.checkpoint.cli", "workbench.spmd.cli", "workbench.kernels.cli", "workbench.doctor"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -158,6 +158,8 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
     Feature("spmd.indexing", "SPMD rule family 'indexing'",
             ("compute_local_shape_and_global_offset",), requires=("spmd.registry", "spmd.reductions"),
             min_torch="2.13", older="a DTensor rule for in-place index_put_ that our fallback hands ops to"),
+    Feature("spmd.kernels", "SPMD rules for workbench's kernel ops",
+            ("compute_local_shape_and_global_offset",), requires=("spmd.registry",)),
     Feature("spmd.comm", "collective byte counting (spmd explain, conformance)",
             ("c10d_functional", "resolve_process_group")),
     Feature("spmd.explain", "workbench spmd explain",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workbench.kernels.backend import BACKENDS as KERNEL_BACKENDS
 from workbench.schema import check as _check_settings
 from workbench.schema import setting
 
@@ -80,8 +81,16 @@ class ModelConfig(_JsonMixin):
     n_experts: int = 0
     top_k: int = 2
     router_aux_coef: float = 0.01
+    # Residual dropout: each block's two residual adds are residual + dropout(branch, p) in training,
+    # fused and mask-free (workbench.kernels.dropout); 0 keeps the plain adds.
+    dropout: float = setting(0.0, "residual dropout probability (the fused dropout+add kernel)", min=0, max=1,
+                             exclusive_max=True, expect="a probability in [0, 1), e.g. 0.1",
+                             off="0 turns it off", metavar="P")
+
+    settings_group = "model"  # the argparse group of the settings above (not a field)
 
     def __post_init__(self) -> None:
+        _check_settings(self)
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
             _positive_int(name, getattr(self, name))
         if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
@@ -341,6 +350,9 @@ class TrainConfig(_JsonMixin):
                                             "every ac_every-th (selective)", choices=AC_MODES, flag="--ac",
                                             aliases=("--activation-checkpointing",))
     ac_every: int = setting(2, "selective checkpointing: every K-th block", min=1, metavar="K")
+    kernels: str = setting("auto", "our custom ops' implementation: triton kernels, the torch reference, or "
+                           "auto (Triton on CUDA, torch elsewhere); the choice made is recorded in config.json",
+                           choices=KERNEL_BACKENDS)
     spmd_rules: bool = setting(True, "install workbench's DTensor sharding rules (workbench.spmd.install) in "
                                "the job; off: torch's own rules")
     memory: bool = setting(False, "record a memory timeline of every rank into RUN_DIR/memory (categories, phases, "
@@ -531,6 +543,8 @@ class JobConfig(_JsonMixin):
     train: TrainConfig = field(default_factory=TrainConfig)
     # A test hook: the named rank raises at the given step, so failure paths can be exercised for real.
     fail_at: dict[str, int] | None = None
+    # What train.kernels resolved to on the ranks' device ('triton' or 'torch'), so a run says what ran.
+    kernels: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
@@ -539,6 +553,7 @@ class JobConfig(_JsonMixin):
             parallel=ParallelConfig.from_dict(data["parallel"]),
             train=TrainConfig.from_dict(data["train"]),
             fail_at=data.get("fail_at"),
+            kernels=data.get("kernels"),
         )
 
     @classmethod

@@ -33,6 +33,7 @@ class Diagnosis:
     nccl: str | None
     triton: str | None
     features: list[dict] = field(default_factory=list)
+    kernels: str = ""  # where our Triton kernels run here: "CUDA", "interpreter (CPU tensors)", or why not
 
     @property
     def skipped(self) -> list[dict]:
@@ -52,7 +53,7 @@ class Diagnosis:
             f"cuda     {'available' if self.cuda_available else 'not available'}; {len(self.devices)} device(s): {dev}",
             "backends " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in self.backends.items())
             + (f" (NCCL {self.nccl})" if self.nccl else ""),
-            f"triton   {self.triton or 'not installed'}",
+            f"triton   {self.triton or 'not installed'}" + (f"; kernels: {self.kernels}" if self.kernels else ""),
             f"features {len(self.features) - len(self.skipped)}/{len(self.features)} available",
         ]
         for f in self.features:
@@ -100,7 +101,18 @@ def diagnose() -> Diagnosis:
             nccl = None
     return Diagnosis(python=platform.python_version(), torch=torch.__version__, torch_cuda=torch.version.cuda,
                      cuda_available=cuda, devices=devices, backends=backends, nccl=nccl,
-                     triton=_version("triton") or _version("pytorch-triton"), features=compat.report())
+                     triton=_version("triton") or _version("pytorch-triton"), features=compat.report(),
+                     kernels=_kernels_where())
+
+
+def _kernels_where() -> str:
+    """Where workbench's Triton kernels run in this process (loads Triton if installed)."""
+    from workbench import kernels
+
+    st = kernels.triton_status()
+    if not st.usable:
+        return f"unavailable ({st.why})"
+    return "Triton's interpreter, on CPU tensors (TRITON_INTERPRET=1)" if st.interpret else "compiled for CUDA"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

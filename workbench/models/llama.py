@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.config import ModelConfig
+from workbench.kernels.dropout import dropout_add, residual_rng
+from workbench.kernels.embedding import Embedding
 from workbench.models.moe import MoEFeedForward
 
 
@@ -91,16 +93,27 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """With ``cfg.dropout = p`` in training, each residual add is ``residual + dropout(branch, p)``, fused
+    and mask-free (``workbench.kernels.dropout``): its seed and offset come from the layer, the site and
+    the training step's :func:`~workbench.kernels.dropout.dropout_scope`."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id
+        self.dropout = cfg.dropout
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MoEFeedForward(cfg) if cfg.n_experts else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = self._residual(x, self.attention(self.attention_norm(x), cos, sin), site=0)
+        return self._residual(h, self.feed_forward(self.ffn_norm(h)), site=1)
+
+    def _residual(self, residual: torch.Tensor, branch: torch.Tensor, site: int) -> torch.Tensor:
+        if not (self.training and self.dropout > 0):
+            return residual + branch
+        return dropout_add(branch, residual, self.dropout, **residual_rng(self.layer_id, site, branch))
 
 
 class Transformer(nn.Module):
@@ -109,10 +122,11 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # nn.Embedding whose weight gradient is our deterministic index_put under the Triton backend
+        self.tok_embeddings = Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict with string keys keeps fully-qualified names stable ("layers.3.attention.wq")
         # and lets later stages drop layers without renumbering.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -30,9 +30,10 @@ from workbench.spmd.registry import (
     uninstall,
 )
 
-# Rule families (indexing and norms import reductions themselves). Importing one registers its
+# Rule families (indexing and norms import reductions themselves; kernels covers our own custom ops,
+# torch.ops.workbench.*). Importing one registers its
 # rules and conformance cases; one the running torch cannot support is left out.
-FAMILY_MODULES = ("elementwise", "indexing", "norms", "reductions")
+FAMILY_MODULES = ("elementwise", "indexing", "kernels", "norms", "reductions")
 SKIPPED_FAMILIES: dict[str, str] = {}  # family -> why (e.g. "torch 2.11.0 lacks ...")
 
 for _family in FAMILY_MODULES:

@@ -46,7 +46,7 @@ import torch
 from workbench import compat
 from workbench.compat import OpOverload
 
-FAMILIES = ("elementwise", "binary", "reduction", "norm", "index", "masked")
+FAMILIES = ("elementwise", "binary", "reduction", "norm", "index", "masked", "kernel")
 
 Handler = Callable[[OpOverload, tuple, dict], Any]
 

@@ -12,6 +12,7 @@ and torchrun is started as a subprocess (``workbench.train.agent``). The ``Run``
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import os
@@ -28,7 +29,7 @@ from typing import Any, Iterator
 import pandas as pd
 
 from workbench.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, resolve_model, validate
-from workbench.settings import make_configs
+from workbench.settings import make_configs, split_settings
 from workbench.display import RendersInNotebook
 from workbench.train.events import LAUNCHER_RANK, EventReader, follow
 from workbench.train.outcome import RunFailed, root_cause
@@ -296,16 +297,36 @@ def build_job(
     """Resolve and validate every setting; raises one ValueError naming the fix.
 
     ``settings`` are shortcuts for single fields of either config (``tp=2``, ``steps=20``); they are
-    applied over ``parallel``/``train`` (default: the configs' defaults).
+    applied over ``parallel``/``train`` (default: the configs' defaults). The model's settings
+    (``dropout=0.1``) are applied over the model. ``kernels`` is resolved here for the device the ranks
+    will use, and recorded in the job (``config.json``); ``kernels='triton'`` where Triton cannot run
+    is refused here, with the reason.
     """
+    parts = split_settings(settings, ("parallel", "train", "model"), what="training setting")
     mcfg = resolve_model(model)
-    pcfg, tcfg = make_configs(parallel, train, what="training setting", **settings)
+    if parts["model"]:
+        mcfg = dataclasses.replace(mcfg, **parts["model"])
+    pcfg, tcfg = make_configs(parallel, train, what="training setting", **parts["parallel"], **parts["train"])
     validate(mcfg, pcfg)  # model-shape problems first: they don't depend on nproc
     pcfg = pcfg.resolved(nproc)
     validate(mcfg, pcfg, tcfg)
-    job = JobConfig(model=mcfg, parallel=pcfg, train=tcfg)
+    job = JobConfig(model=mcfg, parallel=pcfg, train=tcfg, kernels=_resolve_kernels(tcfg.kernels))
     check_fits_in_memory(job)
     return job
+
+
+def _resolve_kernels(choice: str) -> str:
+    """What ``--kernels`` means on the ranks' device ('triton' or 'torch'); a ValueError with the reason
+    where it cannot run (``kernels='triton'`` without a usable Triton)."""
+    import torch
+
+    from workbench import kernels
+
+    cuda = torch.cuda.is_available() and os.environ.get("WORKBENCH_DEVICE", "") != "cpu"
+    try:
+        return kernels.resolve(choice, "cuda" if cuda else "cpu")
+    except kernels.KernelUnavailable as e:
+        raise ValueError(str(e)) from None
 
 
 def _available_memory_bytes() -> int | None:
@@ -366,8 +387,6 @@ def check_fits_in_memory(job: JobConfig, available: int | None = None) -> None:
 
 def _checkpoint_paths(job: JobConfig, run_dir: Path) -> JobConfig:
     """Make ``ckpt_dir``/``resume`` absolute (ranks may run elsewhere) and check the resume target now."""
-    import dataclasses
-
     t = job.train
     if t.ckpt_dir is None and t.resume is None:
         return job
@@ -398,7 +417,7 @@ def launch(
     """
     job = build_job(model, nproc=nproc, parallel=parallel, train=train, **settings)
     if fail_at is not None:
-        job = JobConfig(job.model, job.parallel, job.train, fail_at=fail_at)
+        job = dataclasses.replace(job, fail_at=fail_at)
     run_dir = Path(out) if out is not None else _default_run_dir()
     job = _checkpoint_paths(job, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

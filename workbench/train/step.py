@@ -32,7 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from workbench.config import ModelConfig, ParallelConfig, TrainConfig
-from workbench.memory.marks import microbatch, phase, set_step
+from workbench.kernels.dropout import dropout_scope
+from workbench.memory.marks import MARKS, microbatch, phase, set_step
 from workbench.parallel.expert import load_balancing_loss
 from workbench.parallel.pipeline import Pipeline, build_pipeline, stage_io
 from workbench.parallel.precision import compute_context
@@ -132,6 +133,7 @@ class TrainStep:
     pp_group: Any = None
     dp_groups: list = field(default_factory=list)
     probe: Any = None               # a PeakMemoryProbe entered around the pipeline schedule (trainer)
+    seq_shard: tuple[int, int] | None = None  # sequence parallelism: (tp rank, tp), for dropout's masks
     params: list = field(init=False)
 
     def __post_init__(self) -> None:
@@ -146,11 +148,13 @@ class TrainStep:
 
     def __call__(self, step: int, dataset, dp_rank: int) -> StepResult:
         set_step(step)
+        # The global-batch index of this rank's first sequence: dropout masks follow the samples.
+        first = dp_rank * (self.train.global_batch // self.parallel.dp)
         if self.pipe is not None:
-            loss_sum = pipeline_forward_backward(self, next(iter(self.batches(dataset, step, dp_rank))))
+            loss_sum = pipeline_forward_backward(self, next(iter(self.batches(dataset, step, dp_rank))), step, first)
             aux_sum, expert_load = torch.zeros((), device=self.device), 0
         else:
-            loss_sum, aux_sum, expert_load = forward_backward(self, self.batches(dataset, step, dp_rank))
+            loss_sum, aux_sum, expert_load = forward_backward(self, self.batches(dataset, step, dp_rank), step, first)
         with phase("optimizer"):
             gnorm = clip_grads_(self.params, self.train.grad_clip, self.pp_group)
             self.optimizer.step()
@@ -159,11 +163,15 @@ class TrainStep:
         return StepResult(loss_sum, aux_sum, expert_load, gnorm)
 
 
-def forward_backward(ts: TrainStep, batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
+def forward_backward(ts: TrainStep, batches, step: int = 0,
+                     first_sample: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
     """Forward and backward over this rank's micro-batches, accumulating gradients.
 
     Each micro-batch loss is divided by ``accum`` so the accumulated gradient is that of the mean loss;
     gradient sync (FSDP2 reduce-scatter, DDP all-reduce) runs only on the last micro-batch.
+    Dropout (``ModelConfig.dropout``) draws its masks in a scope spanning each micro-batch's forward and
+    backward (so activation checkpointing recomputes the same ones), from ``step`` and the global index
+    of the micro-batch's first sequence (``first_sample`` is this rank's first).
     Returns (loss sum, router aux-loss sum, tokens per expert) for this rank.
     """
     model, tcfg, mcfg, device = ts.model, ts.train, ts.model_cfg, ts.device
@@ -178,7 +186,9 @@ def forward_backward(ts: TrainStep, batches) -> tuple[torch.Tensor, torch.Tensor
             model.set_requires_gradient_sync(last)
         elif hasattr(model, "no_sync") and not last:  # DDP
             sync = model.no_sync()
-        with sync, microbatch(m):
+        scope = dropout_scope(seed=tcfg.seed, step=step, first_sample=first_sample, seq_shard=ts.seq_shard)
+        first_sample += x.shape[0]
+        with sync, microbatch(m), scope:
             with phase("forward"):
                 with compute_context(model, tcfg.mixed_precision, device.type):
                     logits = model(x.to(device))
@@ -196,17 +206,25 @@ def forward_backward(ts: TrainStep, batches) -> tuple[torch.Tensor, torch.Tensor
     return loss_sum, aux_sum, expert_load
 
 
-def pipeline_forward_backward(ts: TrainStep, batch) -> torch.Tensor:
+def pipeline_forward_backward(ts: TrainStep, batch, step: int = 0, first_sample: int = 0) -> torch.Tensor:
     """One step through the pipeline schedule, which runs every microbatch's forward and backward
     (its stages mark each one's phase and microbatch). Returns this rank's loss: the mean microbatch
-    loss on the last stage's ranks, zero elsewhere."""
+    loss on the last stage's ranks, zero elsewhere.
+
+    Dropout: the scope spans the whole schedule; a block adds the running microbatch's index (the
+    stage's mark) times its rows to ``first_sample``. That is each sequence's global index only because
+    the schedule cuts the local batch into equal contiguous chunks (torch's pipelining does); then the
+    masks are the single-process run's whatever ``microbatches``, and a schedule chunking otherwise
+    would draw other (still valid) masks."""
     x, y = batch
     device = ts.device
     loss_sum = torch.zeros((), device=device)
     probe = ts.probe if ts.probe is not None else nullcontext()
     if ts.probe is not None:
         ts.probe.reset_peak()
-    with probe, phase("forward"), compute_context(ts.model[0], ts.train.mixed_precision, device.type):
+    scope = dropout_scope(seed=ts.train.seed, step=step, first_sample=first_sample,
+                          microbatch=lambda: MARKS.microbatch, seq_shard=ts.seq_shard)
+    with probe, phase("forward"), compute_context(ts.model[0], ts.train.mixed_precision, device.type), scope:
         stage_loss = ts.pipe.step(x.to(device), y.to(device))
     if stage_loss is not None:  # only the last stage knows the loss
         loss_sum += stage_loss
@@ -232,5 +250,8 @@ def build_train_step(stages, model_cfg: ModelConfig, parallel: ParallelConfig, t
         pp_group = mesh["pp"].get_group()
     opt = stages.optimizer(parallel, mesh, train)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(train))
+    seq_shard = None
+    if parallel.sequence_parallel and parallel.tp > 1 and mesh is not None:
+        seq_shard = (mesh["tp"].get_local_rank(), parallel.tp)  # the residual stream is this sequence chunk
     return TrainStep(stages.model, opt, sched, model_cfg, parallel, train, stages.device, pipe, pp_group,
-                     data_parallel_groups(parallel, mesh))
+                     data_parallel_groups(parallel, mesh), seq_shard=seq_shard)

@@ -23,7 +23,7 @@ from workbench.checkpoint.saver import EMA, Checkpointer, manifest_base
 from workbench.checkpoint.state import TrainState, model_view
 from workbench.config import JobConfig
 from workbench.mesh import build_mesh, dp_rank
-from workbench import compat
+from workbench import compat, kernels
 from workbench.memory.marks import phase, set_step
 from workbench.memory.recorder import MemoryRecorder
 from workbench.memory.probe import PeakMemoryProbe
@@ -74,6 +74,10 @@ def train(job: JobConfig, run_dir: str) -> None:
     if use_cuda:
         torch.cuda.set_device(device)
     mcfg, pcfg, tcfg = job.model, job.parallel, job.train
+    # --kernels: which implementation our custom ops run in this process (every rank); 'triton' where
+    # Triton cannot run on this device fails here, with the reason, before any process group exists.
+    kernels.set_backend(tcfg.kernels)
+    kernels_resolved = kernels.resolve(tcfg.kernels, device)
     timeout = timedelta(seconds=float(os.environ.get("WORKBENCH_PG_TIMEOUT_S", "120")))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     if tcfg.spmd_rules:  # our DTensor sharding rules, in this job's processes only (recorded in config.json)
@@ -110,7 +114,8 @@ def train(job: JobConfig, run_dir: str) -> None:
         events.emit("start", pid=os.getpid(), world_size=world, layout=pcfg.describe(),
                     local_params=local_params, n_params=mcfg.n_params, device=str(device),
                     zero=pcfg.zero, mixed_precision=tcfg.mixed_precision, param_dtype=param_dtype,
-                    activation_checkpointing=tcfg.activation_checkpointing, build_peak_bytes=build_peak)
+                    activation_checkpointing=tcfg.activation_checkpointing, build_peak_bytes=build_peak,
+                    kernels=kernels_resolved)
 
         ema = EMA(model_view(model), tcfg.ema) if tcfg.ema else None
         state = TrainState(model, opt, sched, ema, rank=rank)
