@@ -12,6 +12,12 @@ REPO = Path(__file__).resolve().parents[1]
 # Child processes (torchrun ranks) must not each grab every core of a 2-core CI machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Before any test module loads Triton (torch's compiler does; so does importorskip("triton")): without
+# CUDA our kernels run in Triton's interpreter, which must be chosen before Triton is imported.
+from workbench.kernels import _triton as _kernels_triton  # noqa: E402
+
+_kernels_triton.prepare()
+
 
 @pytest.fixture(scope="session")
 def repo() -> Path:

@@ -138,6 +138,23 @@ def _(self, value, starts, ends, steps):
 # ---------------------------------------------------------------------------------------------------
 # python API: keys of slices, values of numbers or tensors
 # ---------------------------------------------------------------------------------------------------
+def _bound(b, n: int, default: int) -> int:
+    """One slice bound as Python normalises it for a positive step: None -> default, negative counts
+    from the end, then clamped to [0, n]."""
+    if b is None:
+        return default
+    b = int(b)
+    if b < 0:
+        b += n
+    return min(max(b, 0), n)
+
+
+def _slice_bounds(k: slice, n: int) -> tuple[int, int, int]:
+    """``k.indices(n)`` for a positive step, in plain arithmetic (torch 2.11's compiler cannot trace
+    ``slice.indices``)."""
+    return _bound(k.start, n, 0), _bound(k.stop, n, n), 1 if k.step is None else int(k.step)
+
+
 def _parse(x: Tensor, key, value) -> tuple[Tensor, list[int], list[int], list[int]]:
     key = key if isinstance(key, tuple) else (key,)
     for k in key:
@@ -151,7 +168,7 @@ def _parse(x: Tensor, key, value) -> tuple[Tensor, list[int], list[int], list[in
         if k.step is not None and k.step <= 0:
             raise ValueError(f"slice step must be positive, got {k.step} for dim {d}; "
                              "flip the tensor (torch.flip) for a reversed assignment")
-        s, e, st = k.indices(x.shape[d])
+        s, e, st = _slice_bounds(k, int(x.shape[d]))
         starts.append(s)
         ends.append(e)
         steps.append(st)

@@ -37,11 +37,44 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from workbench import kernels
-from workbench.compat import compute_local_shape_and_global_offset
-from workbench.spmd.registry import Case, case, handler
+from workbench.compat import (AsyncCollectiveTensor, DTensorSpec, TensorMeta, compute_local_shape_and_global_offset,
+                              redistribute_local_tensor)
+from workbench.spmd.registry import Case, case
+from workbench.spmd.registry import handler as _register_handler
 
 ops = torch.ops.workbench
 _FAMILY = "kernel"
+
+
+def handler(op_list, family, summary):
+    """Register a rule (its redistributions run without autograd: a handler runs inside DTensor's
+    dispatch, below the op's own autograd formula). The rules work from each shard's box
+    (``compute_local_shape_and_global_offset``), which a dim sharded over several mesh dims
+    (``[S(0), S(0)]``) has too, so they take those layouts as they are (no multi-shard folding)."""
+    def deco(fn):
+        def run(op_call, args, kwargs):
+            with torch.no_grad():
+                return fn(op_call, args, kwargs)
+
+        run.__name__, run.__doc__ = getattr(fn, "__name__", "rule"), fn.__doc__
+        _register_handler(op_list, family, summary, multi_shard=None)(run)
+        return fn
+
+    return deco
+
+
+def _redistribute(x: DTensor, placements) -> DTensor:
+    """``x.redistribute(mesh, placements)`` on the local tensor: a handler runs inside DTensor's dispatch,
+    where torch 2.11's ``DTensor.redistribute`` (an autograd Function) fails on ``detach_``."""
+    placements = tuple(placements)
+    if tuple(x.placements) == placements:
+        return x
+    target = DTensorSpec(x.device_mesh, placements,
+                         tensor_meta=TensorMeta(x.shape, _contiguous_stride(x.shape), x.dtype))
+    local = redistribute_local_tensor(x._local_tensor, x._spec, target)
+    if isinstance(local, AsyncCollectiveTensor):
+        local = local.wait()
+    return _wrap(local, x.device_mesh, placements, x.shape)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -80,9 +113,7 @@ def _schema_args(op_call, args, kwargs) -> list:
 def _full(x: Any) -> Any:
     """A DTensor as the whole tensor on every rank (Partial reduced, shards gathered); others unchanged."""
     if isinstance(x, DTensor):
-        if all(isinstance(p, Replicate) for p in x.placements):
-            return x._local_tensor
-        return x.full_tensor()
+        return _redistribute(x, [Replicate()] * x.device_mesh.ndim)._local_tensor
     if isinstance(x, (list, tuple)):
         return type(x)(_full(y) for y in x)
     return x
@@ -93,7 +124,7 @@ def _no_partial(x: DTensor, linear: bool = False) -> DTensor:
     keep = (lambda p: linear and p.reduce_op == "sum")
     if any(isinstance(p, Partial) and not keep(p) for p in x.placements):
         pl = [Replicate() if isinstance(p, Partial) and not keep(p) else p for p in x.placements]
-        return x.redistribute(x.device_mesh, pl)
+        return _redistribute(x, pl)
     return x
 
 
@@ -150,7 +181,7 @@ def replicated(like: dict[int, int] | None = None):
             src = ins[like[i]] if i in like else None
             rep = _wrap(o, mesh, [Replicate()] * mesh.ndim, o.shape)
             if isinstance(src, DTensor) and tuple(src.shape) == tuple(o.shape):
-                rep = rep.redistribute(mesh, _sharding_only(src.placements))
+                rep = _redistribute(rep, _sharding_only(src.placements))
             wrapped.append(rep)
         return tuple(wrapped) if isinstance(out, (tuple, list)) else wrapped[0]
 
@@ -167,7 +198,7 @@ def _pointwise_pair(a: Any, b: Any) -> tuple[DTensor, DTensor | None]:
     if isinstance(b, DTensor):
         b = _no_partial(b)
         if tuple(b.placements) != tuple(a.placements):
-            b = b.redistribute(a.device_mesh, a.placements)
+            b = _redistribute(b, a.placements)
     return a, b
 
 
@@ -194,8 +225,7 @@ def _dropout_add_backward(op_call, args, kwargs):
     if any(isinstance(q, Partial) for q in grad.placements):  # linear in grad: Partial(sum) passes through
         shape, off = list(grad._local_tensor.shape), [0] * grad.ndim
         if any(isinstance(q, Shard) for q in grad.placements):
-            grad = grad.redistribute(grad.device_mesh, [Replicate() if isinstance(q, Shard) else q
-                                                        for q in grad.placements])
+            grad = _redistribute(grad, [Replicate() if isinstance(q, Shard) else q for q in grad.placements])
         out = op_call(grad._local_tensor, p, seed, offset, list(grad.shape), [0] * grad.ndim)
         return _wrap(out, grad.device_mesh, grad.placements, grad.shape)
     shape, off = _local_box(grad)
