@@ -186,7 +186,8 @@ def select(launches: list[dict], large: list[dict]) -> list[dict]:
 def widened(rec: dict) -> dict:
     """``rec`` as launched on tensors above 2^31 elements: each integer scalar ``i64`` (the JIT's type for
     an int that does not fit int32; none specialised to 1, those divisible by 16 stay so) and each int32
-    tensor int64 (index_put's row ids and last-writer table switch to int64 at 2^31 rows)."""
+    tensor int64 (index_put's row ids and last-writer table switch to int64 at 2^31 rows), and a
+    ``SMALL`` constexpr (int32 arithmetic below 2^31 elements) off."""
     sig, consts = dict(rec["signature"]), dict(rec["constexprs"])
     for name, ty in rec["signature"].items():
         if ty == "*i32":
@@ -194,6 +195,8 @@ def widened(rec: dict) -> dict:
         elif ty == "i32" or ty == "constexpr" and name not in rec["tl_constexprs"] and type(consts[name]) is int:
             sig[name] = "i64"
             consts.pop(name, None)
+    if consts.get("SMALL") is True:  # a kernel's "fewer than 2^31 elements" switch (masked_fill) turns off
+        consts["SMALL"] = False
     return {**rec, "signature": sig, "constexprs": consts, "variant": "i64"}
 
 

@@ -41,11 +41,14 @@ def test_local_rules_move_nothing_and_dropout_masks_match_the_dense_run():
              ("kernel/set_value/strided", "S(1) | S(1)")]
     for key in local:
         assert rows[key]["comm_bytes"] == 0, (key, rows[key]["bytes_by_kind"])
-    # index_put writes into the owning shard: the forward moves nothing (its backward gathers the values'
-    # gradient, replicated).
-    for name in ("kernel/index_put/accumulate-duplicates", "kernel/index_put/overwrite-last-writer"):
-        assert rows[(name, "S(0)")]["fwd_bytes"] == 0
+    # index_put writes into the owning shard, and its backward gathers each shard's own rows into a
+    # Partial(sum) gradient of the values: nothing moves either way (the harness sums it afterwards).
+    for name in ("kernel/index_put/accumulate-duplicates", "kernel/index_put/overwrite-last-writer",
+                 "kernel/index_put/broadcast-row"):
+        assert rows[(name, "S(0)")]["comm_bytes"] == 0, rows[(name, "S(0)")]["bytes_by_kind"]
         assert rows[(name, "S(0)")]["out_placements"] == "S(0)"
+    # values broadcast over the rows: each shard sums its own rows' gradient, Partial(sum) too
+    assert rows[("kernel/index_put/broadcast-row", "S(0)")]["comm_bytes"] == 0
     # Boolean select has a data-dependent size: it runs replicated, and says so with its bytes.
     assert rows[("kernel/mask_select/rows", "S(0)")]["fwd_bytes"] > 0
 

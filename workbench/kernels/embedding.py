@@ -11,9 +11,12 @@ that can change between runs. Under ``kernels='triton'`` (``auto`` on CUDA) we t
 row in that order, so two runs give the same bits. Elsewhere the backward is torch's own
 ``embedding_dense_backward``.
 
-Tensor parallel: a DTensor weight (``RowwiseParallel`` shards it by rows) or gradient takes torch's path,
-whose sharding rules DTensor already has. Options our backward does not cover (``max_norm``,
-``scale_grad_by_freq``, ``sparse``) also take torch's path.
+Tensor parallel: ``RowwiseParallel`` shards the weight by rows (a DTensor). The forward is DTensor's
+embedding; the gradient is our ``index_put`` into zeros laid out like the weight, whose DTensor rule
+(``workbench/spmd/kernels.py``, installed by ``workbench.spmd.install()`` as training jobs do) has each
+rank sum only the tokens of its own rows: no gradient row is communicated. Without our rules installed a
+DTensor weight takes torch's own embedding. Options our backward does not cover (``max_norm``, ``scale_grad_by_freq``, ``sparse``)
+take torch's path.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def _is_dtensor(x: torch.Tensor) -> bool:
 def _use_index_put(grad: torch.Tensor) -> bool:
     """Our kernel when the backend picks Triton for grad's device; torch's where it does not, and on
     meta / fake tensors that Triton could never run on (plans, memory predictions)."""
-    if grad.device.type == "meta" or _is_dtensor(grad):
+    if grad.device.type == "meta":
         return False
     try:
         return backend.choose(grad.device) == "triton"
@@ -53,6 +56,8 @@ class _EmbeddingFunction(torch.autograd.Function):
     def forward(ctx, tokens, weight, padding_idx):
         ctx.save_for_backward(tokens)
         ctx.num_weights = weight.shape[0]
+        # Under tensor parallelism the gradient is laid out like the weight (rows sharded).
+        ctx.weight_layout = (weight.device_mesh, weight.placements) if _is_dtensor(weight) else None
         ctx.padding_idx = padding_idx
         return F.embedding(tokens, weight, padding_idx)
 
@@ -63,16 +68,34 @@ class _EmbeddingFunction(torch.autograd.Function):
         if not _use_index_put(grad):
             return None, torch.ops.aten.embedding_dense_backward(grad, tokens, ctx.num_weights, pad, False), None
         rows = grad.reshape(-1, grad.shape[-1])
-        zeros = grad.new_zeros((ctx.num_weights, grad.shape[-1]))
+        if ctx.weight_layout is not None:  # a row-sharded weight: zeros sharded alike, filled shard-locally
+            from torch.distributed.tensor import zeros as dtensor_zeros
+
+            mesh, placements = ctx.weight_layout
+            zeros = dtensor_zeros((ctx.num_weights, grad.shape[-1]), dtype=grad.dtype, device_mesh=mesh,
+                                  placements=placements)
+        else:
+            zeros = grad.new_zeros((ctx.num_weights, grad.shape[-1]))
         grad_weight = index_put(zeros, (tokens.reshape(-1),), rows, accumulate=True, deterministic=True)
         if pad >= 0:
             grad_weight[pad] = 0  # the padding row never learns (nn.Embedding's rule)
         return None, grad_weight, None
 
 
+def _dtensor_rule_installed() -> bool:
+    """Whether DTensor knows our index_put (``workbench.spmd.install()``, which training jobs run)."""
+    try:
+        return torch.ops.workbench.index_put.default in compat.custom_op_handlers()
+    except compat.MissingTorchAPI:
+        return False
+
+
 def embedding(tokens: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
-    """``F.embedding(tokens, weight, padding_idx)`` whose weight gradient is deterministic under Triton."""
-    if _is_dtensor(weight) or _is_dtensor(tokens):
+    """``F.embedding(tokens, weight, padding_idx)`` whose weight gradient is deterministic under Triton.
+
+    A DTensor weight takes torch's own embedding unless our SPMD rules are installed (they say how our
+    index_put runs on a row-sharded gradient)."""
+    if (_is_dtensor(weight) or _is_dtensor(tokens)) and not _dtensor_rule_installed():
         return F.embedding(tokens, weight, padding_idx)
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]

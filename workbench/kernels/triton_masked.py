@@ -53,13 +53,20 @@ def _mask_offsets(i, s1, s2, s3, t0, t1, t2, t3):
 
 
 @triton.jit
-def _block_and_mask(m_ptr, n, s1, s2, s3, t0, t1, t2, t3, MASK_FLAT: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's flat offsets (int64), which of them are in bounds, and the mask there."""
+def _block_and_mask(m_ptr, n, s1, s2, s3, t0, t1, t2, t3, MASK_FLAT: tl.constexpr, SMALL: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """This program's flat offsets (int64), which of them are in bounds, and the mask there.
+
+    A broadcast mask needs each element's coordinates: a few divisions per element, which in int64 are
+    long software routines on a GPU. ``SMALL`` (the tensor has fewer than 2^31 elements) does them in
+    int32, where they are short."""
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n
     if MASK_FLAT:
         moffs = offs
+    elif SMALL:
+        moffs = _mask_offsets(offs.to(tl.int32), s1, s2, s3, t0, t1, t2, t3)
     else:
         moffs = _mask_offsets(offs, s1, s2, s3, t0, t1, t2, t3)
     m = tl.load(m_ptr + moffs, mask=inb, other=0) != 0
@@ -68,8 +75,8 @@ def _block_and_mask(m_ptr, n, s1, s2, s3, t0, t1, t2, t3, MASK_FLAT: tl.constexp
 
 @triton.jit
 def _masked_fill_kernel(x_ptr, m_ptr, v_ptr, out_ptr, n, s1, s2, s3, t0, t1, t2, t3,
-                        MASK_FLAT: tl.constexpr, BLOCK: tl.constexpr):
-    offs, inb, m = _block_and_mask(m_ptr, n, s1, s2, s3, t0, t1, t2, t3, MASK_FLAT, BLOCK)
+                        MASK_FLAT: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr):
+    offs, inb, m = _block_and_mask(m_ptr, n, s1, s2, s3, t0, t1, t2, t3, MASK_FLAT, SMALL, BLOCK)
     x = tl.load(x_ptr + offs, mask=inb, other=0)  # all of x: a per-element mask would stop vector loads
     v = tl.load(v_ptr)
     tl.store(out_ptr + offs, tl.where(m, v, x), mask=inb)
@@ -77,8 +84,8 @@ def _masked_fill_kernel(x_ptr, m_ptr, v_ptr, out_ptr, n, s1, s2, s3, t0, t1, t2,
 
 @triton.jit
 def _masked_fill_backward_kernel(g_ptr, m_ptr, gx_ptr, part_ptr, n, s1, s2, s3, t0, t1, t2, t3,
-                                 MASK_FLAT: tl.constexpr, BLOCK: tl.constexpr):
-    offs, inb, m = _block_and_mask(m_ptr, n, s1, s2, s3, t0, t1, t2, t3, MASK_FLAT, BLOCK)
+                                 MASK_FLAT: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr):
+    offs, inb, m = _block_and_mask(m_ptr, n, s1, s2, s3, t0, t1, t2, t3, MASK_FLAT, SMALL, BLOCK)
     g = tl.load(g_ptr + offs, mask=inb, other=0)
     tl.store(gx_ptr + offs, tl.where(m, tl.zeros_like(g), g), mask=inb)
     # This block's share of the value's gradient, in fp32; the host sums the partials in a fixed order.
@@ -114,8 +121,8 @@ def masked_fill(x: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> tor
     m, flat, sizes, strides = _mask_layout(x.shape, mask)
     value = value.to(x.dtype)  # rounded by torch (the interpreter's casts truncate), one element
     grid = (triton.cdiv(n, _FLAT_BLOCK),)
-    _masked_fill_kernel[grid](x, m, value, out, n, *sizes, *strides, MASK_FLAT=flat, BLOCK=_FLAT_BLOCK,
-                              num_warps=8)
+    _masked_fill_kernel[grid](x, m, value, out, n, *sizes, *strides, MASK_FLAT=flat, SMALL=n < 2**31,
+                              BLOCK=_FLAT_BLOCK, num_warps=8)
     return out
 
 
@@ -130,7 +137,7 @@ def masked_fill_backward(grad: torch.Tensor, mask: torch.Tensor) -> tuple[torch.
     blocks = triton.cdiv(n, _FLAT_BLOCK)
     partials = torch.empty(blocks, dtype=torch.float32, device=grad.device)
     _masked_fill_backward_kernel[(blocks,)](grad, m, gx, partials, n, *sizes, *strides, MASK_FLAT=flat,
-                                            BLOCK=_FLAT_BLOCK, num_warps=8)
+                                            SMALL=n < 2**31, BLOCK=_FLAT_BLOCK, num_warps=8)
     return gx, partials.sum().to(grad.dtype)
 
 

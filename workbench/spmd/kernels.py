@@ -20,8 +20,10 @@ where it cannot:
   takes the matching slice of the values. No communication of self.
 * **set_value** into self sharded along any dim: each shard writes the part of the region it owns
   (the slice intersected with the shard, the value sliced to match).
-* Everything else (boolean-mask select/assign, whose output sizes depend on data, and the backward ops
-  that gather) runs **replicated**: the inputs are gathered, every rank computes the whole result, and
+* **index_put's backward** (the values' gradient) gathers, on each shard, the rows it owns and leaves
+  zeros for the others: ``Partial(sum)``, no communication (a trailing dim the values span stays
+  sharded). With our ``Embedding`` under tensor parallelism this is the weight's gradient path.
+* Everything else (boolean-mask select/assign, whose output sizes depend on data) runs **replicated**: the inputs are gathered, every rank computes the whole result, and
   each output takes the placements of the input it is laid out like (Shard kept, so that step is a
   local slice). Correct for any placement, at the cost of an all-gather: ``workbench spmd explain``
   shows it.
@@ -305,6 +307,46 @@ def _index_put(op_call, args, kwargs):
                         [local_v.shape[0]] + shape[1:], [0] + off[1:])
     out = op_call(self_._local_tensor, [local_i], local_v.contiguous(), accumulate, deterministic)
     return _wrap(out, self_.device_mesh, self_.placements, self_.shape)
+
+
+@handler([ops.index_put_backward.default], _FAMILY,
+         "one index tensor: each shard gathers the rows it owns; the values' gradient is Partial(sum), no comm")
+def _index_put_backward(op_call, args, kwargs):
+    grad, indices, values_shape, accumulate = _schema_args(op_call, args, kwargs)
+    idx = indices[0] if len(indices) == 1 else None
+    lead = grad.ndim - len(values_shape)  # values broadcast over these leading dims (K among them)
+    vs = [1] * lead + list(values_shape)  # the values' shape as broadcast against (K, *grad.shape[1:])
+    simple = (isinstance(grad, DTensor) and idx is not None and idx.ndim == 1 and lead >= 0
+              and idx.dtype in (torch.int64, torch.int32) and vs[0] in (1, idx.shape[0])
+              and all(v in (1, g) for v, g in zip(vs[1:], grad.shape[1:])))
+    if not simple:
+        return replicated()(op_call, args, kwargs)
+    grad = _no_partial(grad, linear=True)  # the values' gradient is linear in grad
+    mesh = grad.device_mesh
+    shape, off = _local_box(DTensor.from_local(grad._local_tensor, mesh, _sharding_only(grad.placements),
+                                               run_check=False, shape=grad.shape, stride=grad.stride()))
+    i0 = _full(idx).to(torch.int64)
+    i0 = torch.where(i0 < 0, i0 + grad.shape[0], i0)
+    keep = (i0 >= off[0]) & (i0 < off[0] + shape[0])
+    # A dim the values were broadcast over sums across shards (Partial); one they span stays sharded.
+    trailing = [1 if v == 1 else n for v, n in zip(vs[1:], shape[1:])]
+    per_row = vs[0] != 1
+    local_vshape = ([int(keep.sum())] if per_row else [1]) + trailing
+    part = op_call(grad._local_tensor, [i0[keep] - off[0]], local_vshape[lead:], accumulate)
+    if per_row:  # rows this shard does not own get zero here; their owner holds them
+        out = part.new_zeros([i0.shape[0]] + trailing)
+        out[keep] = part
+    else:
+        out = part
+    pl = []
+    for p in grad.placements:
+        if isinstance(p, Shard) and p.dim >= 1 and vs[p.dim] != 1:
+            pl.append(Shard(p.dim - lead))
+        elif isinstance(p, (Shard, Partial)):
+            pl.append(Partial("sum"))
+        else:
+            pl.append(Replicate())
+    return _wrap(out, mesh, pl, list(values_shape))
 
 
 # ---------------------------------------------------------------------------------------------------
