@@ -19,10 +19,8 @@ Correctness is what a CPU can show (through Triton's interpreter); speed is ``wo
 from __future__ import annotations
 
 import html
-import importlib
 import json
 import math
-import pkgutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,7 +42,6 @@ CHECK_COLUMNS = ["case", "op", "dtype", "size", "label", "backend_ran", "status"
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_NOT_OPS = {"backend", "cases", "bench", "check", "cli"}
 
 # --------------------------------------------------------------------------------------------------
 # Which cases
@@ -52,12 +49,9 @@ _NOT_OPS = {"backend", "cases", "bench", "check", "cli"}
 
 
 def load_cases() -> dict[str, KernelCase]:
-    """Import every op module of ``workbench.kernels`` (each registers its cases) and return the registry."""
-    import workbench.kernels as pkg
+    """The registry of every op's cases (``workbench.kernels`` imports each op module, which registers them)."""
+    import workbench.kernels  # noqa: F401
 
-    for m in pkgutil.iter_modules(pkg.__path__):
-        if not (m.name.startswith(("_", "triton_")) or m.name in _NOT_OPS):
-            importlib.import_module(f"{pkg.__name__}.{m.name}")
     return CASES
 
 

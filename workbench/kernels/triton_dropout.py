@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from workbench.kernels.triton_common import round_to
+
 BLOCK = 2048
 NUM_WARPS = 8
 
@@ -59,19 +61,6 @@ def _keep_block(seed, base, nblk, so1, so2, t0, t1, t2, t_in, n_inner, threshold
 
 
 @triton.jit
-def _round_to(v, ty: tl.constexpr):
-    """fp32 -> ``ty``, round to nearest even. bfloat16 is rounded on its bits (torch's rule, NaN -> 0x7FC0)
-    because Triton's interpreter truncates that conversion; on a GPU the result is the same as ``v.to``."""
-    if ty == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + ((bits >> 16) & 1) + 0x7FFF) >> 16
-        bits = tl.where(v != v, 0x7FC0, bits)
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return v.to(ty)
-
-
-@triton.jit
 def _dropout_add_fwd(x_ptr, res_ptr, out_ptr, seed, base, nblk, so1, so2, t0, t1, t2, t_in, n_inner,
                      threshold, scale, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     keep, local, m = _keep_block(seed, base, nblk, so1, so2, t0, t1, t2, t_in, n_inner, threshold,
@@ -79,7 +68,7 @@ def _dropout_add_fwd(x_ptr, res_ptr, out_ptr, seed, base, nblk, so1, so2, t0, t1
     x = tl.load(x_ptr + local, mask=m, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + local, mask=m, other=0.0).to(tl.float32)
     out = res + tl.where(keep, x * scale, 0.0)
-    tl.store(out_ptr + local, _round_to(out, out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + local, round_to(out, out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -88,7 +77,7 @@ def _dropout_bwd(grad_ptr, out_ptr, seed, base, nblk, so1, so2, t0, t1, t2, t_in
     keep, local, m = _keep_block(seed, base, nblk, so1, so2, t0, t1, t2, t_in, n_inner, threshold,
                                  ALIGNED, BLOCK)
     g = tl.load(grad_ptr + local, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + local, _round_to(tl.where(keep, g * scale, 0.0), out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + local, round_to(tl.where(keep, g * scale, 0.0), out_ptr.dtype.element_ty), mask=m)
 
 
 def _launch(kernel, tensors, layout, seed: int, threshold: int, scale: float) -> None:

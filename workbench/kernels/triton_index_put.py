@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from workbench.kernels.triton_common import round_to
+
 _TILE = 4096  # elements per program: BLOCK_K * BLOCK_D
 
 
@@ -48,19 +50,6 @@ def _tile(D, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     nd = tl.cdiv(D, BLOCK_D)
     return pid // nd, pid % nd
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    # fp32 -> dtype, round to nearest even like torch. bf16 by hand: Triton's interpreter truncates on
-    # that cast (the GPU rounds), and the deterministic mode promises the reference's exact bits.
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        r = tl.where(x != x, 0x7FC0, r)  # NaN stays NaN (the add could carry a small payload into inf)
-        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
 
 
 @triton.jit
@@ -90,7 +79,7 @@ def _segment_sum_kernel(out_ptr, sorted_ptr, order_ptr, vals_ptr, K, D, sv0, sv1
     m = start[:, None] & cmask[None, :]
     optr = out_ptr + row[:, None] * D + cols[None, :]
     old = tl.load(optr, mask=m, other=0.0)
-    tl.store(optr, _round(old.to(tl.float32) + acc, out_ptr.dtype.element_ty), mask=m)
+    tl.store(optr, round_to(old.to(tl.float32) + acc, out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

@@ -41,6 +41,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from workbench import kernels
 from workbench.compat import (AsyncCollectiveTensor, DTensorSpec, TensorMeta, compute_local_shape_and_global_offset,
                               redistribute_local_tensor)
+from workbench.spmd.reductions import contiguous_stride
+from workbench.spmd.reductions import wrap as _wrap
 from workbench.spmd.registry import Case, case
 from workbench.spmd.registry import handler as _register_handler
 
@@ -72,7 +74,7 @@ def _redistribute(x: DTensor, placements) -> DTensor:
     if tuple(x.placements) == placements:
         return x
     target = DTensorSpec(x.device_mesh, placements,
-                         tensor_meta=TensorMeta(x.shape, _contiguous_stride(x.shape), x.dtype))
+                         tensor_meta=TensorMeta(x.shape, contiguous_stride(x.shape), x.dtype))
     local = redistribute_local_tensor(x._local_tensor, x._spec, target)
     if isinstance(local, AsyncCollectiveTensor):
         local = local.wait()
@@ -136,21 +138,9 @@ def _sharding_only(placements) -> list:
 
 
 def _local_box(x: DTensor) -> tuple[list[int], list[int]]:
-    shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+    """This rank's shard of ``x``: its shape and global offset (a Partial mesh dim holds the whole dim)."""
+    shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, _sharding_only(x.placements))
     return list(shape), list(offset)
-
-
-def _wrap(local: torch.Tensor, mesh, placements, shape) -> DTensor:
-    return DTensor.from_local(local, mesh, tuple(placements), run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(list(shape)):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
 
 
 def _slice_to(t: torch.Tensor, full_shape, local_shape, offset) -> torch.Tensor:
@@ -212,7 +202,7 @@ def _dropout_add(op_call, args, kwargs):
             or tuple(x.shape) != tuple(residual.shape):
         return replicated({0: 0})(op_call, args, kwargs)
     x, residual = _pointwise_pair(x, residual)
-    shape, off = _local_box(x)
+    _, off = _local_box(x)
     out = op_call(x._local_tensor, residual._local_tensor, p, seed, offset, list(x.shape), off)
     return _wrap(out, x.device_mesh, x.placements, x.shape)
 
@@ -223,14 +213,8 @@ def _dropout_add_backward(op_call, args, kwargs):
     grad, p, seed, offset, global_shape, shard_offset = _schema_args(op_call, args, kwargs)
     if global_shape or not isinstance(grad, DTensor):
         return replicated({0: 0})(op_call, args, kwargs)
-    grad = _no_partial(grad, linear=True)
-    if any(isinstance(q, Partial) for q in grad.placements):  # linear in grad: Partial(sum) passes through
-        shape, off = list(grad._local_tensor.shape), [0] * grad.ndim
-        if any(isinstance(q, Shard) for q in grad.placements):
-            grad = _redistribute(grad, [Replicate() if isinstance(q, Shard) else q for q in grad.placements])
-        out = op_call(grad._local_tensor, p, seed, offset, list(grad.shape), [0] * grad.ndim)
-        return _wrap(out, grad.device_mesh, grad.placements, grad.shape)
-    shape, off = _local_box(grad)
+    grad = _no_partial(grad, linear=True)  # linear in grad: a Partial(sum) piece takes the same mask
+    _, off = _local_box(grad)
     out = op_call(grad._local_tensor, p, seed, offset, list(grad.shape), off)
     return _wrap(out, grad.device_mesh, grad.placements, grad.shape)
 
@@ -264,11 +248,7 @@ def _masked_fill_backward(op_call, args, kwargs):
     if not isinstance(grad, DTensor):
         return replicated()(op_call, args, kwargs)
     grad = _no_partial(grad, linear=True)
-    box = _local_box(grad) if not any(isinstance(p, Partial) for p in grad.placements) else None
-    if box is None:  # Partial(sum) on some mesh dim: a shard elsewhere is fine, the mask sliced to it
-        box = _local_box(DTensor.from_local(grad._local_tensor, grad.device_mesh,
-                                            _sharding_only(grad.placements), run_check=False,
-                                            shape=grad.shape, stride=grad.stride()))
+    box = _local_box(grad)
     g_self, g_value = op_call(grad._local_tensor, _mask_for(mask, grad, box))
     mesh = grad.device_mesh
     value_pl = [Partial("sum") if isinstance(p, (Shard, Partial)) else Replicate() for p in grad.placements]
@@ -323,8 +303,7 @@ def _index_put_backward(op_call, args, kwargs):
         return replicated()(op_call, args, kwargs)
     grad = _no_partial(grad, linear=True)  # the values' gradient is linear in grad
     mesh = grad.device_mesh
-    shape, off = _local_box(DTensor.from_local(grad._local_tensor, mesh, _sharding_only(grad.placements),
-                                               run_check=False, shape=grad.shape, stride=grad.stride()))
+    shape, off = _local_box(grad)
     i0 = _full(idx).to(torch.int64)
     i0 = torch.where(i0 < 0, i0 + grad.shape[0], i0)
     keep = (i0 >= off[0]) & (i0 < off[0] + shape[0])

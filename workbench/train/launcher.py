@@ -315,16 +315,21 @@ def build_job(
     return job
 
 
+def ranks_use_cuda() -> bool:
+    """Whether ranks started from here train on CUDA (the trainer's rule: a GPU, unless
+    ``WORKBENCH_DEVICE=cpu``)."""
+    import torch
+
+    return torch.cuda.is_available() and os.environ.get("WORKBENCH_DEVICE", "") != "cpu"
+
+
 def _resolve_kernels(choice: str) -> str:
     """What ``--kernels`` means on the ranks' device ('triton' or 'torch'); a ValueError with the reason
     where it cannot run (``kernels='triton'`` without a usable Triton)."""
-    import torch
-
     from workbench import kernels
 
-    cuda = torch.cuda.is_available() and os.environ.get("WORKBENCH_DEVICE", "") != "cpu"
     try:
-        return kernels.resolve(choice, "cuda" if cuda else "cpu")
+        return kernels.resolve(choice, "cuda" if ranks_use_cuda() else "cpu")
     except kernels.KernelUnavailable as e:
         raise ValueError(str(e)) from None
 
@@ -357,9 +362,7 @@ def memory_shortfall(job: JobConfig, available: int | None = None) -> str | None
     extra: this is a floor, meant to catch "llama-70b on a laptop", not to plan memory. Jobs that
     train on CUDA devices are left to the allocator, whose OOM message is clear.
     """
-    import torch
-
-    if torch.cuda.is_available() and os.environ.get("WORKBENCH_DEVICE", "") != "cpu":
+    if ranks_use_cuda():
         return None
     available = _available_memory_bytes() if available is None else available
     if available is None:

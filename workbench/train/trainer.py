@@ -30,6 +30,7 @@ from workbench.memory.probe import PeakMemoryProbe
 from workbench.parallel.build import build_stages
 from workbench.train.data import make_dataset
 from workbench.train.events import EventWriter
+from workbench.train.launcher import ranks_use_cuda
 from workbench.train.step import build_train_step, clip_grads_, grad_norm, lr_lambda  # noqa: F401 (re-exported)
 
 
@@ -69,7 +70,7 @@ def train(job: JobConfig, run_dir: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     events = EventWriter(run_dir, rank)
-    use_cuda = torch.cuda.is_available() and os.environ.get("WORKBENCH_DEVICE", "") != "cpu"
+    use_cuda = ranks_use_cuda()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
