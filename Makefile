@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # JupyterLab refuses root unless told; containers and CI machines often run as root.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test install browser clean
+.PHONY: lab test test-gpu install browser clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,5 +36,27 @@ lab: $(STAMP)
 test: $(STAMP) browser
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The tests marked `gpu` (NCCL training, pinned async checkpoints and bitwise resume on CUDA, CUDA memory
+# events, the Triton kernels on the GPU, the GPU benchmarks' smoke runs), on a machine with a GPU. It
+# uses the CUDA torch already installed for GPU_PYTHON (never the CPU wheel): .venv-gpu sees that
+# interpreter's packages through a .pth file, and only what is missing is installed. Without a GPU
+# every test is skipped with the reason.
+GPU_PYTHON ?= python3
+GPU_VENV := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.workbench-installed
+
+$(GPU_STAMP): pyproject.toml
+	@$(GPU_PYTHON) -c "import torch" 2>/dev/null || { echo "error: $(GPU_PYTHON) has no torch; set GPU_PYTHON to the python of your CUDA torch (e.g. make test-gpu GPU_PYTHON=/opt/torch/bin/python3)"; exit 2; }
+	@test -x $(GPU_VENV)/bin/python || $(GPU_PYTHON) -m venv $(GPU_VENV)
+	@site=$$($(GPU_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	  $(GPU_PYTHON) -c "import sys, torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))" > $$site/gpu-torch.pth
+	$(GPU_VENV)/bin/python -m pip install --quiet --no-build-isolation -e '.[dev]' 2>/dev/null \
+	  || $(GPU_VENV)/bin/python -m pip install --quiet -e '.[dev]'
+	@touch $(GPU_STAMP)
+
+test-gpu: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| GPUs', torch.cuda.device_count())"
+	$(GPU_VENV)/bin/python -m pytest -m gpu -v $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) build dist *.egg-info .pytest_cache

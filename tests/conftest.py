@@ -19,6 +19,25 @@ from workbench.kernels import _triton as _kernels_triton  # noqa: E402
 _kernels_triton.prepare()
 
 
+def _gpu_missing() -> str | None:
+    """Why the tests marked ``gpu`` cannot run here, or None where they can."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"needs a CUDA GPU: this torch {torch.__version__} is a CPU build (run `make test-gpu` on a GPU machine)"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU: none is visible (run `make test-gpu` on a GPU machine)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu") is not None]
+    why = _gpu_missing() if gpu_tests else None
+    if why is not None:
+        for item in gpu_tests:
+            item.add_marker(pytest.mark.skip(reason=why))
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

@@ -164,3 +164,49 @@ def test_bench_memory_quick_prints_prediction_errors_and_import_cost(repo):
     for r in layout["ranks"].values():
         assert r["error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
     assert doc["import"]["file_bytes"] > 10 * 2**20 and doc["import"]["seconds"] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_bench_gpu_train_skips_without_a_gpu_and_checks_its_plumbing_on_cpu(repo):
+    import torch
+
+    from workbench.config import PRESETS
+    from workbench.train.flops import flops_per_token
+
+    script = str(repo / "benchmarks" / "bench_gpu_train.py")
+    if not torch.cuda.is_available():  # the default run: one JSON document saying why it was skipped
+        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=40, cwd=repo)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        doc = json.loads(proc.stdout)
+        assert doc["benchmark"] == "bench_gpu_train" and doc["skipped"] is True and doc["baseline"] == "reference"
+        assert "no CUDA GPU" in doc["reason"] and "--device cpu" in doc["reason"]
+        assert doc["machine"]["torch"] == torch.__version__ and doc["machine"]["cuda_available"] is False
+
+    proc = subprocess.run([sys.executable, script, "--device", "cpu", "--smoke", "--modes", "eager", "--timeout", "60"],
+                          capture_output=True, text=True, timeout=90, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)  # stdout is exactly one JSON document; progress went to stderr
+    assert "tokens/s" in proc.stderr and "trainer step" in proc.stderr
+    assert doc["benchmark"] == "bench_gpu_train" and doc["skipped"] is False and doc["baseline"] == "reference"
+    assert doc["device"] == "cpu" and doc["plumbing_check_only"] is True and doc["smoke"] is True
+    assert doc["model"]["name"] == "tiny" and doc["steps"] > doc["warmup_steps_dropped"] >= 1
+    assert doc["model"]["flops_per_token"] == flops_per_token(PRESETS["tiny"], doc["seq_len"])
+    assert doc["peak"]["tflops"] is None  # a CPU has no peak in the table: MFU is null, not made up
+    for key in ("torch", "triton", "python", "platform"):
+        assert key in doc["machine"], key
+    assert list(doc["modes"]) == ["eager"]
+    m = doc["modes"]["eager"]
+    ref, ours = m["reference"], m["trainer"]
+    for r in (ref, ours):
+        assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
+        assert r["peak_mem_bytes"] > 0 and r["mfu"] is None
+        assert r["steps_measured"] == doc["steps"] - doc["warmup_steps_dropped"]
+    for key in ("tokens_per_s_ratio", "peak_mem_ratio"):
+        assert math.isfinite(m[key]) and m[key] > 0, key
+    assert math.isclose(m["tokens_per_s_ratio"], ours["tokens_per_s"] / ref["tokens_per_s"])
+    assert math.isclose(m["peak_mem_ratio"], ours["peak_mem_bytes"] / ref["peak_mem_bytes"])
+    assert m["targets_met"] is None  # the targets are for a GPU
+    # Both loops train the same model from the same weights on the same samples.
+    assert m["loss_first_rel_diff"] < 1e-3
+    assert ours["device"] == "cpu" and ours["backend"] == "gloo"

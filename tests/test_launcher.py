@@ -9,19 +9,10 @@ import time
 import pytest
 
 import workbench
+from helpers import wait_for as _wait_for  # tests/helpers.py
 from workbench.train.events import read_events
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(120)]
-
-
-def _wait_for(pred, timeout=60.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError("condition not met")
 
 
 def _no_ranks_left(run_dir) -> bool:

@@ -27,10 +27,23 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model on N local processes through torchrun",
                        description="Train a preset (or a Hugging Face config.json) with a parallel layout.")
     p.add_argument("model", help=f"preset ({', '.join(PRESETS)}) or a Hugging Face config.json path")
-    p.add_argument("--nproc", type=int, default=None, help="processes to start (default: product of the degrees)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes to start on this machine (default: product of the degrees, over --nnodes)")
+    nodes = p.add_argument_group("several machines", "run the same command on every node, changing only "
+                                 "--node-rank (docs/multinode.md)")
+    nodes.add_argument("--nnodes", type=int, default=1, help="machines in the job; --nproc is per machine")
+    nodes.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0..nnodes-1; node 0 "
+                       "hosts the rendezvous")
+    nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="node 0's address and a free port there, reachable from every node")
+    nodes.add_argument("--rdzv-id", default=None, help="the job's name at the rendezvous, the same on every node "
+                       "(default: workbench)")
+    nodes.add_argument("--rdzv-timeout", type=float, default=None, metavar="SECONDS",
+                       help="how long a node waits for the others (default: $WORKBENCH_RDZV_TIMEOUT_S or 300)")
     add_arguments(p, ("parallel", "train"))
     add_arguments(p, "model", given_only=True)  # over the model's own values only where typed
-    p.add_argument("--out", default=None, help="run directory (default: ./runs/<time>)")
+    p.add_argument("--out", default=None, help="run directory, one per node (default: ./runs/<time>, and "
+                   "./runs/<time>-node<R> on several machines)")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of progress")
     p.set_defaults(func=cmd_train)
@@ -39,16 +52,22 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from workbench.settings import from_args, given
     from workbench.train.launcher import build_job, launch
+    from workbench.train.nodes import node_settings
 
     settings = dict(nproc=args.nproc, parallel=from_args(args, "parallel"), train=from_args(args, "train"),
                     **given(args, "model"))
-    try:
-        build_job(args.model, **settings)  # validate before anything is created or started
+    where = dict(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                 rdzv_id=args.rdzv_id, rdzv_timeout_s=args.rdzv_timeout)
+    try:  # validate before anything is created or started
+        multinode = node_settings(**where) is not None
+        build_job(args.model, nnodes=args.nnodes, **settings)
     except ValueError as e:
         return error(str(e), args.json)
-    out = args.out or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    # Nodes sharing a file system (and a start time, under srun) must not share a run directory.
+    default_out = Path("runs") / (time.strftime("%Y%m%d-%H%M%S") + (f"-node{args.node_rank}" if multinode else ""))
+    out = args.out or str(default_out)
     try:
-        run = launch(args.model, out=out, **settings)
+        run = launch(args.model, out=out, **where, **settings)
     except ValueError as e:  # e.g. --resume: no complete checkpoint there, or it does not fit the model
         return error(str(e), args.json)
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
@@ -69,19 +88,31 @@ def cmd_train(args: argparse.Namespace) -> int:
         losses = {int(r): g["loss"].tolist() for r, g in run.metrics.groupby("rank")} if len(run.metrics) else {}
         summary["losses"] = losses
         if err is not None:
-            summary["error"] = {"rank": err.rank, "message": err.message, "traceback": err.traceback}
+            summary["error"] = {"rank": err.rank, "message": err.message, "traceback": err.traceback,
+                                **({"node": err.node, "ranks": err.ranks} if err.node is not None else {})}
         emit_json(summary)
     elif err is not None:
         if err.traceback:
             print(err.traceback.rstrip(), file=sys.stderr)
         print(f"error: {err}  (logs: {run.log_path})", file=sys.stderr)
     else:
+        nodes = summary.get("nodes")
+        if nodes:
+            print(f"node {nodes['node_rank']} of {nodes['nnodes']} (ranks {_span(nodes.get('ranks'))}, "
+                  f"world size {nodes['world_size']}):", end=" ")
         print(f"done: {summary['steps_logged']} steps, loss {summary.get('first_loss', float('nan')):.4f} -> "
-              f"{summary.get('final_loss', float('nan')):.4f}, {summary.get('tokens_per_s', 0):.0f} tokens/s; "
-              f"events in {run.run_dir / 'events.jsonl'}")
+              f"{summary.get('final_loss', float('nan')):.4f}, {summary.get('tokens_per_s', 0):.0f} tokens/s"
+              + (f", MFU {summary['mfu']:.2f}" if summary.get("mfu") is not None else "")
+              + f"; events in {run.run_dir / 'events.jsonl'}")
     if run.status == "succeeded":
         return 0
     return EXIT_FAILED
+
+
+def _span(ranks) -> str:
+    from workbench.train.outcome import rank_span
+
+    return rank_span(ranks) if ranks else "?"
 
 
 def _check_deadline(run, deadline: float | None) -> None:
@@ -99,10 +130,17 @@ def _follow_quietly(run, deadline: float | None) -> None:
 def _follow_with_progress(run, deadline: float | None) -> None:
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=run.job.train.steps, desc=f"{run.job.model.name} [{run.job.parallel.describe()}]", unit="step")
+    node = run.job.nodes
+    where = f" node {node['node_rank']}/{node['nnodes']}" if node else ""
+    bar = tqdm(total=run.job.train.steps, desc=f"{run.job.model.name} [{run.job.parallel.describe()}]{where}",
+               unit="step")
+    started: set[int] = set()  # every local rank starts before any finishes a step (a step's collectives need all)
     for event in run.events():
         _check_deadline(run, deadline)
-        if event["type"] == "step" and event["rank"] == 0:
+        if event["type"] == "start":
+            started.add(event["rank"])
+        # rank 0 on one node; this node's first rank on the others
+        if event["type"] == "step" and event["rank"] == min(started, default=event["rank"]):
             bar.set_postfix(loss=f"{event['loss']:.4f}", tok_s=f"{event['tokens_per_s']:.0f}", refresh=False)
             bar.update(1)
     bar.close()

@@ -323,6 +323,8 @@ DTYPES = ("float32", "bfloat16")
 MIXED_PRECISION = ("none", "bf16")
 AC_MODES = ("none", "full", "selective")
 DATASETS = ("synthetic", "text")
+DEVICES = ("auto", "cuda", "cpu")
+OPTIM_IMPLS = ("auto", "fused", "foreach", "loop")
 
 
 @dataclass(frozen=True)
@@ -353,6 +355,20 @@ class TrainConfig(_JsonMixin):
     kernels: str = setting("auto", "our custom ops' implementation: triton kernels, the torch reference, or "
                            "auto (Triton on CUDA, torch elsewhere); the choice made is recorded in config.json",
                            choices=KERNEL_BACKENDS)
+    device: str = setting("auto", "where the ranks train: cuda (NCCL, one GPU per rank), cpu (gloo), or auto "
+                          "(cuda when this machine has a GPU for every local rank, cpu when it has none; it "
+                          "refuses between); the choice made is recorded in config.json", choices=DEVICES,
+                          group="device")
+    compile: bool = setting(False, "torch.compile each transformer block (as torchtitan does); composes with "
+                            "FSDP, TP and activation checkpointing. The first step compiles", group="device")
+    optim_impl: str = setting("auto", "AdamW's implementation: fused kernels, foreach, or the per-parameter loop; "
+                              "auto: fused on CUDA where every parameter shares one layout, the loop elsewhere",
+                              choices=OPTIM_IMPLS, flag="--optim-impl", group="device")
+    tf32: bool = setting(True, "let float32 matmuls and convolutions use TF32 tensor cores on CUDA "
+                         "(--no-tf32 for full fp32)", group="device")
+    peak_tflops: float | None = setting(None, "the device's peak dense TFLOP/s per rank, for MFU", min=0,
+                                        exclusive_min=True, none="looked up from the GPU's name; none on CPU",
+                                        group="device")
     spmd_rules: bool = setting(True, "install workbench's DTensor sharding rules (workbench.spmd.install) in "
                                "the job; off: torch's own rules")
     memory: bool = setting(False, "record a memory timeline of every rank into RUN_DIR/memory (categories, phases, "
@@ -382,6 +398,9 @@ class TrainConfig(_JsonMixin):
                 f"mixed_precision='bf16' keeps float32 master weights, but dtype={self.dtype!r}; "
                 "set dtype='float32' (or mixed_precision='none' for pure bfloat16 training)"
             )
+        if self.compile and self.memory:
+            raise ValueError("memory=True records every operator through a dispatch mode, which torch.compile "
+                             "cannot trace; drop --compile to record a memory timeline (or --memory to compile)")
         if (self.ckpt_async or self.zero_stall) and not self.ckpt_every:
             raise ValueError("ckpt_async/zero_stall need periodic checkpoints; set ckpt_every N (e.g. --ckpt-every 100)")
 
@@ -545,6 +564,11 @@ class JobConfig(_JsonMixin):
     fail_at: dict[str, int] | None = None
     # What train.kernels resolved to on the ranks' device ('triton' or 'torch'), so a run says what ran.
     kernels: str | None = None
+    # What train.device resolved to ('cuda' or 'cpu'): the ranks' device and backend (nccl or gloo).
+    device: str | None = None
+    # Multi-node jobs (workbench.train.launcher.launch(nnodes=...)): {"nnodes", "node_rank",
+    # "rdzv_endpoint", "rdzv_id"}; None on one node.
+    nodes: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
@@ -554,6 +578,8 @@ class JobConfig(_JsonMixin):
             train=TrainConfig.from_dict(data["train"]),
             fail_at=data.get("fail_at"),
             kernels=data.get("kernels"),
+            device=data.get("device"),
+            nodes=data.get("nodes"),
         )
 
     @classmethod

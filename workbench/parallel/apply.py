@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from workbench.config import ParallelConfig, TrainConfig
+from workbench.config import OPTIM_IMPLS, ParallelConfig, TrainConfig
 from workbench.parallel.checkpointing import apply_ac
 from workbench.parallel.data import apply_ddp, apply_fsdp, zero1_optimizer
 from workbench.parallel.expert import apply_ep, expert_meshes
@@ -69,19 +70,65 @@ def ddp_dim(parallel: ParallelConfig) -> str | None:
 
 
 def adamw_settings(train: TrainConfig) -> dict:
-    """The AdamW hyperparameters of every run and plan."""
-    return {"lr": train.lr, "weight_decay": train.weight_decay, "betas": (0.9, 0.95), "foreach": False}
+    """The AdamW hyperparameters of every run and plan (the implementation is :func:`optimizer_impl`'s)."""
+    return {"lr": train.lr, "weight_decay": train.weight_decay, "betas": (0.9, 0.95)}
+
+
+def _layout(p: torch.Tensor) -> tuple:
+    """What foreach and fused kernels need shared by every tensor of one call: plain tensors of one
+    device, or DTensors on one device mesh (placements may differ)."""
+    if isinstance(p, DTensor):
+        return ("dtensor", p.device_mesh)
+    return ("tensor", p.device)
+
+
+def optimizer_impl(choice: str, params: list[torch.Tensor]) -> str:
+    """What ``TrainConfig.optim_impl`` means for these parameters: 'fused', 'foreach' or 'loop'.
+
+    ``auto`` is fused on CUDA (one kernel launch per tensor group instead of ~10 per parameter) and the
+    per-parameter loop elsewhere, whose arithmetic is the reference the parity tests hold every layout to.
+    """
+    if choice not in OPTIM_IMPLS:
+        raise ValueError(f"optim_impl={choice!r}; choose one of {', '.join(OPTIM_IMPLS)}")
+    if choice != "auto":
+        return choice
+    return "fused" if params and params[0].device.type == "cuda" else "loop"
+
+
+def layout_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` split so each group shares one layout (:func:`_layout`), in first-seen order."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(_layout(p), []).append(p)
+    return list(groups.values())
 
 
 def build_optimizer(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh | None,
                     train: TrainConfig | None = None, **adamw_kwargs) -> torch.optim.Optimizer:
     """AdamW over the model's (fp32 master) parameters; its state sharded over dp_shard under zero=1.
 
-    ``train`` gives the run's settings (:func:`adamw_settings`); keyword arguments override them.
+    ``train`` gives the run's settings (:func:`adamw_settings`, and ``optim_impl``: :func:`optimizer_impl`);
+    keyword arguments override them. Fused and foreach kernels take one layout per call, so where a
+    layout mixes them (tensor parallelism's replicated norms beside its DTensors, FSDP x TP's 1-D and
+    2-D meshes, experts on their own mesh) the parameters go into one param group per layout, with the
+    same hyperparameters: the update is the same, and checkpoints key optimizer state by parameter name.
     """
-    if train is not None:
-        adamw_kwargs = {**adamw_settings(train), **adamw_kwargs}
     params = list(model.parameters())
+    if train is not None:
+        impl = optimizer_impl(train.optim_impl, params)
+        adamw_kwargs = {**adamw_settings(train), "foreach": impl == "foreach", "fused": impl == "fused" or None,
+                        **adamw_kwargs}
     if mesh is not None and parallel.zero == 1 and parallel.dp_shard > 1:
         return zero1_optimizer(params, mesh["dp_shard"], **adamw_kwargs)
+    if adamw_kwargs.get("foreach") or adamw_kwargs.get("fused"):
+        groups = layout_groups(params)
+        if len(groups) > 1:
+            return torch.optim.AdamW([{"params": g} for g in groups], **adamw_kwargs)
     return torch.optim.AdamW(params, **adamw_kwargs)
+
+
+def optimizer_impl_of(opt: torch.optim.Optimizer) -> str:
+    """Which implementation ``opt`` (an AdamW, or ZeRO-1's around one) steps with."""
+    inner = getattr(opt, "optim", opt)
+    d = inner.defaults
+    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "loop"

@@ -33,6 +33,7 @@ from workbench.config import ModelConfig, ParallelConfig, TrainConfig
 from workbench.models import build_model
 from workbench.models.llama import Transformer, initial_value
 from workbench.parallel.apply import build_optimizer, ddp_dim, shard
+from workbench.parallel.compile import compile_blocks
 from workbench.parallel.data import apply_ddp
 from workbench.parallel.pipeline import build_stage_module, split_layers, stage_ids
 
@@ -106,6 +107,8 @@ def build_stages(model: ModelConfig | Callable[[], nn.Module], parallel: Paralle
     for part in parts:
         if device.type != "meta":
             materialize(part, cfg, train.seed, device)
+            if train.compile and not compat.in_fake_mode():  # real weights only: a plan or a prediction runs eager
+                compile_blocks(part, fullgraph=cfg.n_experts == 0)
         dim = ddp_dim(parallel) if mesh is not None else None
         if dim is not None:
             # Meta and fake tensors (a plan; a memory prediction) have no values to check or broadcast.

@@ -105,6 +105,9 @@ class ExpertParallelExperts(GroupedExperts):
     ep_group: dist.ProcessGroup
     ep_size: int
 
+    # Always eager, also inside a --compile'd block: the splits are data-dependent, and torch 2.11's
+    # compiler mishandles the gradient hooks below (measured: losses off by 0.2 after one step, ep=2).
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         group, ep = self.ep_group, self.ep_size
         n_local = counts.numel() // ep

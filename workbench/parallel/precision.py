@@ -37,3 +37,26 @@ def compute_context(model: nn.Module, mixed_precision: str, device_type: str) ->
     if mixed_precision == "bf16" and not isinstance(model, FSDPModule):
         return torch.autocast(device_type, dtype=torch.bfloat16)
     return nullcontext()
+
+
+def set_tf32(enabled: bool) -> None:
+    """Let float32 matmuls and convolutions on CUDA use TF32 tensor cores (``enabled``) or not.
+
+    torch 2.9 replaced the ``allow_tf32`` flags by ``fp32_precision`` ("tf32"/"ieee") and warns when the
+    two are mixed, so the newer one is used where it exists.
+    """
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = "tf32" if enabled else "ieee"
+        conv.conv.fp32_precision = "tf32" if enabled else "ieee"
+    else:  # torch < 2.9
+        matmul.allow_tf32 = enabled
+        conv.allow_tf32 = enabled
+
+
+def tf32_enabled() -> bool:
+    """Whether float32 matmuls on CUDA may use TF32 now."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        return matmul.fp32_precision == "tf32"
+    return bool(matmul.allow_tf32)

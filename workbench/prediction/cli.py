@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pr = msub.add_parser("predict", help="predict every rank's timeline with one fake step (any world size)",
                          description="Run one real training step under FakeTensorMode and a fake process "
                                      "group for every distinct rank, and print the peak bytes per rank.")
-    _model_and_layout(pr)
+    _model_and_layout(pr, exclude=("device",))  # its --device is the target predicted for, not where ranks run
     pr.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="what to predict: the CPU recorder's peak, or CUDA's max_memory_allocated")
     pr.add_argument("--budget", default=None, metavar="SIZE",
@@ -78,10 +78,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=cmd_show)
 
 
-def _model_and_layout(p: argparse.ArgumentParser) -> None:
+def _model_and_layout(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     p.add_argument("model", help=f"preset ({', '.join(PRESETS)}) or a Hugging Face config.json path")
     p.add_argument("--nproc", type=int, default=None, help="processes (default: product of the degrees)")
-    add_arguments(p, ("parallel", "train"))
+    add_arguments(p, ("parallel", "train"), exclude=exclude)
 
 
 # --------------------------------------------------------------------------------------------------

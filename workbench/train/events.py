@@ -4,30 +4,51 @@ Every rank appends to the same file. Each event is written with a single ``os.wr
 with ``O_APPEND``, so lines from different processes never interleave. Readers tolerate a trailing
 partial line (a writer may be mid-write) and skip it until it is complete.
 
-Required keys: ``type``, ``rank``, ``time``. Types used here: ``launch`` and ``run_end`` (rank -1, the
-launcher), ``start``, ``step``, ``end``, ``error`` (with ``traceback``).
+Required keys: ``type``, ``rank``, ``time``. Types used here: ``launch``, ``nodes`` and ``run_end`` (rank -1,
+the launcher), ``start``, ``step``, ``end``, ``error`` (with ``traceback``).
+
+In a multi-node run every event also says which node wrote it: ``node`` (the ``--node-rank`` that node was
+started with; each node writes its own run directory), and ``host`` on the events a person reads to find
+a node (``launch``, ``start``, ``error``, ``run_end``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 EVENTS_FILE = "events.jsonl"
 LAUNCHER_RANK = -1
+# Set by the launcher's agent of a multi-node run, for itself and the ranks it starts: this node's --node-rank.
+NODE_ENV = "WORKBENCH_NODE"
+_HOST_TYPES = frozenset({"launch", "start", "error", "run_end"})
+
+
+def this_node() -> int | None:
+    """This process's node in a multi-node run (its ``--node-rank``), or None on one node."""
+    node = os.environ.get(NODE_ENV)
+    return int(node) if node else None
 
 
 class EventWriter:
     def __init__(self, run_dir: str | Path, rank: int):
         self.path = Path(run_dir) / EVENTS_FILE
         self.rank = rank
+        self.node = this_node()
+        self._host = socket.gethostname() if self.node is not None else None
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def emit(self, type: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": type, "rank": self.rank, "time": time.time(), **fields}
+        event: dict[str, Any] = {"type": type, "rank": self.rank, "time": time.time()}
+        if self.node is not None:
+            event["node"] = self.node
+            if type in _HOST_TYPES:
+                event["host"] = self._host
+        event.update(fields)
         os.write(self._fd, (json.dumps(event, default=str) + "\n").encode())
         return event
 

@@ -32,6 +32,7 @@ from workbench.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from workbench.settings import make_configs, split_settings
 from workbench.display import RendersInNotebook
 from workbench.train.events import LAUNCHER_RANK, EventReader, follow
+from workbench.train.nodes import node_settings
 from workbench.train.outcome import RunFailed, root_cause
 
 METRIC_COLUMNS = ["rank", "step", "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr", "time"]
@@ -65,7 +66,7 @@ class Run(RendersInNotebook):
 
     def __init__(self, job: JobConfig, run_dir: Path, proc: subprocess.Popen, log_path: Path):
         self.job, self.run_dir, self._proc, self.log_path = job, run_dir, proc, log_path
-        self.nproc = job.parallel.world_size
+        self.nproc = _local_ranks(job)  # this machine's ranks; the whole job has job.parallel.world_size
         self.started_at = time.time()
         self._stop_requested = False
         self._reader = EventReader(run_dir)
@@ -157,13 +158,15 @@ class Run(RendersInNotebook):
             if end is None:  # the agent itself died before it could report
                 tail = self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
                 return RunFailed(None, f"launcher exited with code {self.returncode}", tail, run_dir)
-            return RunFailed(end.get("failed_rank"), end.get("message", ""), end.get("traceback", ""), run_dir)
+            # multi-node: failed_node names the node (and lost_ranks its ranks when it went away)
+            return RunFailed(end.get("failed_rank"), end.get("message", ""), end.get("traceback", ""), run_dir,
+                             node=end.get("failed_node"), ranks=end.get("lost_ranks"))
         self._all_events()
         rank = root_cause(self._first_errors)
         if rank is None:
             return None
         e = self._first_errors[rank]
-        return RunFailed(rank, e.get("message", ""), e.get("traceback", ""), run_dir)
+        return RunFailed(rank, e.get("message", ""), e.get("traceback", ""), run_dir, node=e.get("node"))
 
     # -- control ------------------------------------------------------------------------------
     def events(self, poll_s: float = 0.1) -> Iterator[dict[str, Any]]:
@@ -252,16 +255,42 @@ class Run(RendersInNotebook):
             "nproc": self.nproc,
             "steps_logged": int(df["step"].nunique()) if len(df) else 0,
         }
+        if self.job.nodes:
+            out["nodes"] = self.nodes()
         if len(df):
             r0 = df[df["rank"] == df["rank"].min()]
             out["first_loss"] = float(r0["loss"].iloc[0])
             out["final_loss"] = float(r0["loss"].iloc[-1])
             steady = r0.iloc[1:] if len(r0) > 1 else r0  # step 0 includes warm-up work
             out["tokens_per_s"] = float(steady["tokens_per_s"].median())
+            if "mfu" in steady and steady["mfu"].notna().any():  # None where the device's peak is unknown
+                out["mfu"] = float(steady["mfu"].median())
+            if "tflops" in steady:
+                out["tflops_per_rank"] = float(steady["tflops"].median())
+            out["peak_mem_bytes"] = int(df["mem_bytes"].max())  # CUDA: max_memory_allocated; CPU: resident set
         err = self.error
         if err is not None:
-            out["error"] = {"rank": err.rank, "message": err.message}
+            out["error"] = {"rank": err.rank, "message": err.message,
+                            **({"node": err.node} if err.node is not None else {})}
         return out
+
+    def nodes(self) -> dict[str, Any] | None:
+        """A multi-node run's nodes (None on one node): the settings every node shares, this node's
+        ``node_rank``, ``host`` and global ``ranks``, and ``hosts`` (node -> host) once every node's
+        ranks have started."""
+        if not self.job.nodes:
+            return None
+        events = self._all_events()
+        info: dict[str, Any] = {k: v for k, v in self.job.nodes.items()}
+        info["world_size"] = self.job.parallel.world_size
+        info["host"] = next((e["host"] for e in events if e["type"] == "launch" and "host" in e), None)
+        ranks = sorted(self._started) or None
+        listed = next((e["nodes"] for e in reversed(events) if e["type"] == "nodes"), None)
+        if listed:
+            info["hosts"] = {int(n): e["host"] for n, e in listed.items()}
+            ranks = listed.get(str(self.job.nodes["node_rank"]), {}).get("ranks") or ranks
+        info["ranks"] = ranks
+        return info
 
     def __repr__(self) -> str:
         return f"Run({self.job.model.name}, {self.job.parallel.describe()}, status={self.status}, dir={self.run_dir})"
@@ -282,6 +311,11 @@ def _metric_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return df[[c for c in METRIC_COLUMNS if c in df.columns] + extra]
 
 
+def _local_ranks(job: JobConfig) -> int:
+    """The ranks one machine runs: all of them, or the world's share of one node in a multi-node job."""
+    return job.parallel.world_size // (job.nodes["nnodes"] if job.nodes else 1)
+
+
 def _default_run_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="workbench-run-"))
 
@@ -290,6 +324,7 @@ def build_job(
     model: str | Path | ModelConfig | dict = "tiny",
     *,
     nproc: int | None = None,
+    nnodes: int = 1,
     parallel: ParallelConfig | dict | None = None,
     train: TrainConfig | dict | None = None,
     **settings: Any,
@@ -298,38 +333,87 @@ def build_job(
 
     ``settings`` are shortcuts for single fields of either config (``tp=2``, ``steps=20``); they are
     applied over ``parallel``/``train`` (default: the configs' defaults). The model's settings
-    (``dropout=0.1``) are applied over the model. ``kernels`` is resolved here for the device the ranks
-    will use, and recorded in the job (``config.json``); ``kernels='triton'`` where Triton cannot run
-    is refused here, with the reason.
+    (``dropout=0.1``) are applied over the model. ``nproc`` is the processes per node (torchrun's
+    ``--nproc-per-node``; the world is ``nproc x nnodes``). The device preflight runs here, before any
+    process starts (:func:`resolve_device`: ``device`` against this machine's GPUs for its
+    ``nproc`` local ranks), and so does ``kernels`` for that device; both choices are recorded in the
+    job (``config.json``), and what cannot run is refused with one line naming the fix.
     """
     parts = split_settings(settings, ("parallel", "train", "model"), what="training setting")
     mcfg = resolve_model(model)
     if parts["model"]:
         mcfg = dataclasses.replace(mcfg, **parts["model"])
     pcfg, tcfg = make_configs(parallel, train, what="training setting", **parts["parallel"], **parts["train"])
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"nnodes={nnodes!r} must be a positive integer (the machines in the job)")
+    if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+        raise ValueError(f"nproc={nproc!r} must be a positive integer (processes per node)")
     validate(mcfg, pcfg)  # model-shape problems first: they don't depend on nproc
-    pcfg = pcfg.resolved(nproc)
+    pcfg = pcfg.resolved(None if nproc is None else nproc * nnodes)
     validate(mcfg, pcfg, tcfg)
-    job = JobConfig(model=mcfg, parallel=pcfg, train=tcfg, kernels=_resolve_kernels(tcfg.kernels))
-    check_fits_in_memory(job)
+    world = pcfg.world_size
+    if world % nnodes:
+        raise ValueError(f"the layout {pcfg.describe()} has {world} ranks, which {nnodes} nodes cannot share "
+                         f"equally; choose degrees whose product is a multiple of --nnodes {nnodes}")
+    device = resolve_device(tcfg.device, world // nnodes)
+    job = JobConfig(model=mcfg, parallel=pcfg, train=tcfg, kernels=_resolve_kernels(tcfg.kernels, device),
+                    device=device)
+    check_fits_in_memory(job, nnodes=nnodes)
     return job
 
 
-def ranks_use_cuda() -> bool:
-    """Whether ranks started from here train on CUDA (the trainer's rule: a GPU, unless
-    ``WORKBENCH_DEVICE=cpu``)."""
+def visible_gpus() -> int:
+    """The CUDA GPUs this process can use (0 without a CUDA build of torch, or without a driver)."""
     import torch
 
-    return torch.cuda.is_available() and os.environ.get("WORKBENCH_DEVICE", "") != "cpu"
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _resolve_kernels(choice: str) -> str:
+def resolve_device(choice: str, local_ranks: int, gpus: int | None = None) -> str:
+    """The device preflight: where ``local_ranks`` ranks of this machine train, 'cuda' or 'cpu'.
+
+    ``cuda`` needs a GPU for every local rank (NCCL, one device each); ``cpu`` always works (gloo, also
+    on a GPU machine); ``auto`` is cuda when there is a GPU for every local rank and cpu when there is
+    none, and refuses in between rather than guess (``WORKBENCH_DEVICE=cpu`` makes auto mean cpu).
+    ``gpus`` defaults to :func:`visible_gpus`. Raises ValueError with one line naming both numbers
+    and the fixes.
+    """
+    if choice not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device={choice!r}; choose auto, cuda or cpu")
+    if choice == "cpu" or (choice == "auto" and os.environ.get("WORKBENCH_DEVICE", "") == "cpu"):
+        return "cpu"
+    gpus = visible_gpus() if gpus is None else gpus
+    if gpus == 0:
+        if choice == "auto":
+            return "cpu"
+        import torch
+
+        why = ("this torch has no CUDA support" if torch.version.cuda is None
+               else "no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+        raise ValueError(f"--device cuda needs a GPU, but {why}; use --device cpu to run on CPU (gloo)")
+    if local_ranks > gpus:
+        raise ValueError(f"--nproc {local_ranks} needs {local_ranks} GPUs, this machine has {gpus}; use --nproc "
+                         f"{gpus}, or --device cpu to run {local_ranks} ranks on CPU (gloo)")
+    return "cuda"
+
+
+def job_device(job: JobConfig) -> str:
+    """Where ``job``'s ranks train: its recorded ``device``; a config.json written before devices were
+    recorded follows the old rule (a GPU if there is one, unless ``WORKBENCH_DEVICE=cpu``)."""
+    if job.device is not None:
+        return job.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and os.environ.get("WORKBENCH_DEVICE", "") != "cpu" else "cpu"
+
+
+def _resolve_kernels(choice: str, device: str) -> str:
     """What ``--kernels`` means on the ranks' device ('triton' or 'torch'); a ValueError with the reason
     where it cannot run (``kernels='triton'`` without a usable Triton)."""
     from workbench import kernels
 
     try:
-        return kernels.resolve(choice, "cuda" if ranks_use_cuda() else "cpu")
+        return kernels.resolve(choice, device)
     except kernels.KernelUnavailable as e:
         raise ValueError(str(e)) from None
 
@@ -354,36 +438,45 @@ def training_state_bytes(job: JobConfig) -> int:
     return int(plan(job.model, job.parallel, job.train).rank_bytes()["total"].sum())
 
 
-def memory_shortfall(job: JobConfig, available: int | None = None) -> str | None:
+def memory_shortfall(job: JobConfig, available: int | None = None, nnodes: int | None = None) -> str | None:
     """The one memory-feasibility rule: why ``job`` cannot fit in this machine's memory, or None.
 
-    The need is what the plan says the ranks hold (:func:`training_state_bytes`); ranks build only
-    their own shards, so nothing larger is ever allocated while the model is set up. Activations are
-    extra: this is a floor, meant to catch "llama-70b on a laptop", not to plan memory. Jobs that
-    train on CUDA devices are left to the allocator, whose OOM message is clear.
+    The need is what the plan says this machine's ranks hold (:func:`training_state_bytes`; of
+    ``nnodes`` machines, default ``job.nodes``, each runs world/nnodes ranks, and which ones is
+    torchrun's choice, so each counts as the plan's largest); ranks build only their own shards, so
+    nothing larger is ever allocated while the model is set up. Activations are extra: this is a floor,
+    meant to catch "llama-70b on a laptop", not to plan memory. Jobs that train on CUDA devices are
+    left to the allocator, whose OOM message is clear.
     """
-    if ranks_use_cuda():
+    if job_device(job) == "cuda":
         return None
     available = _available_memory_bytes() if available is None else available
     if available is None:
         return None
+    nnodes = nnodes or (job.nodes or {}).get("nnodes", 1)
+    local = job.parallel.world_size // nnodes
     # Fast path, same verdict: no rank holds more than every parameter in 5 copies (weight, gradient,
     # 2 AdamW moments, master) of at most 8 bytes, so if that fits, the plan's smaller need fits too.
-    if job.model.n_params * 5 * 8 * job.parallel.world_size <= 0.9 * available:
+    if job.model.n_params * 5 * 8 * local <= 0.9 * available:
         return None
-    need = training_state_bytes(job)
+    if nnodes == 1:
+        need = training_state_bytes(job)
+    else:
+        from workbench.plan import plan
+
+        need = int(plan(job.model, job.parallel, job.train).rank_bytes()["total"].max()) * local
     if need <= 0.9 * available:
         return None
-    n, world = job.model.n_params, job.parallel.world_size
+    n = job.model.n_params
     return (f"{job.model.name} ({n / 1e9:.2f}B params) needs at least {need / 2**30:.1f} GiB for weights, grads "
-            f"and optimizer state on {world} local rank(s), but {available / 2**30:.1f} GiB is available; "
+            f"and optimizer state on {local} local rank(s), but {available / 2**30:.1f} GiB is available; "
             "choose a smaller model (e.g. tiny or small)")
 
 
-def check_fits_in_memory(job: JobConfig, available: int | None = None) -> None:
+def check_fits_in_memory(job: JobConfig, available: int | None = None, nnodes: int | None = None) -> None:
     """Refuse a job whose training state cannot fit in this machine's memory, before starting it
     (ValueError with :func:`memory_shortfall`'s one line)."""
-    problem = memory_shortfall(job, available)
+    problem = memory_shortfall(job, available, nnodes)
     if problem is not None:
         raise ValueError(problem)
 
@@ -407,6 +500,11 @@ def launch(
     *,
     out: str | Path | None = None,
     nproc: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+    rdzv_timeout_s: float | None = None,
     parallel: ParallelConfig | dict | None = None,
     train: TrainConfig | dict | None = None,
     fail_at: dict[str, int] | None = None,
@@ -417,10 +515,20 @@ def launch(
     ``parallel`` and ``train`` are the configs (:class:`ParallelConfig`, :class:`TrainConfig`).
     ``settings`` are shortcuts for any of their fields (``tp=2``, ``steps=20``, ``resume="latest"``),
     applied over them; ``nproc`` fills ``dp_shard=-1`` (default: the product of the degrees).
+
+    Several machines: call it on each with the same arguments but ``node_rank`` (0..nnodes-1).
+    ``nproc`` is then the processes per node (world size ``nproc * nnodes``); node 0 hosts torchrun's
+    c10d rendezvous at ``rdzv_endpoint`` (``"HOST:PORT"``, an address of node 0 every node reaches);
+    ``rdzv_id`` names the job there (default ``"workbench"``, the same everywhere); a node waits
+    ``rdzv_timeout_s`` for the others (default ``$WORKBENCH_RDZV_TIMEOUT_S`` or 300 s). Each node writes
+    its own run directory: give each its own ``out`` (see docs/multinode.md).
     """
-    job = build_job(model, nproc=nproc, parallel=parallel, train=train, **settings)
+    nodes = node_settings(nnodes, node_rank, rdzv_endpoint, rdzv_id, rdzv_timeout_s)
+    job = build_job(model, nproc=nproc, nnodes=nnodes, parallel=parallel, train=train, **settings)
     if fail_at is not None:
         job = dataclasses.replace(job, fail_at=fail_at)
+    if nodes is not None:
+        job = dataclasses.replace(job, nodes=nodes)
     run_dir = Path(out) if out is not None else _default_run_dir()
     job = _checkpoint_paths(job, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -436,7 +544,7 @@ def launch(
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "workbench.train.agent", str(run_dir), str(job.parallel.world_size)],
+            [sys.executable, "-m", "workbench.train.agent", str(run_dir), str(_local_ranks(job))],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -30,7 +30,11 @@ from workbench.memory.probe import PeakMemoryProbe
 from workbench.parallel.build import build_stages
 from workbench.train.data import make_dataset
 from workbench.train.events import EventWriter
-from workbench.train.launcher import ranks_use_cuda
+from workbench.train import flops
+from workbench.train.launcher import job_device
+from workbench.parallel.apply import optimizer_impl_of
+from workbench.parallel.compile import compiled_blocks
+from workbench.parallel.precision import set_tf32
 from workbench.train.step import build_train_step, clip_grads_, grad_norm, lr_lambda  # noqa: F401 (re-exported)
 
 
@@ -70,17 +74,19 @@ def train(job: JobConfig, run_dir: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     events = EventWriter(run_dir, rank)
-    use_cuda = ranks_use_cuda()
+    mcfg, pcfg, tcfg = job.model, job.parallel, job.train
+    use_cuda = job_device(job) == "cuda"  # the launcher's preflight: a GPU for every local rank
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    mcfg, pcfg, tcfg = job.model, job.parallel, job.train
+        set_tf32(tcfg.tf32)
     # --kernels: which implementation our custom ops run in this process (every rank); 'triton' where
     # Triton cannot run on this device fails here, with the reason, before any process group exists.
     kernels.set_backend(tcfg.kernels)
     kernels_resolved = kernels.resolve(tcfg.kernels, device)
     timeout = timedelta(seconds=float(os.environ.get("WORKBENCH_PG_TIMEOUT_S", "120")))
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend, timeout=timeout)
     if tcfg.spmd_rules:  # our DTensor sharding rules, in this job's processes only (recorded in config.json)
         from workbench import spmd
 
@@ -105,18 +111,27 @@ def train(job: JobConfig, run_dir: str) -> None:
         if recorder is not None:
             recorder.track(model=stages.modules, optimizer=opt)
         probe = None
-        if pipe is not None:
+        if pipe is not None and not (tcfg.compile and device.type == "cpu"):
+            # On CPU the probe is a dispatch mode, which compiled blocks cannot run under: there the
+            # pipeline's peak goes unmeasured (step events still carry the resident set, mem_bytes).
             ts.probe = probe = PeakMemoryProbe(device).track(model.parameters())
             events.emit("pipeline", schedule=pcfg.pp_schedule, microbatches=pipe.n_microbatches,
                         stages={str(s): layers for s, layers in pipe.layers.items()})
         params = ts.params
         local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
         param_dtype = ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+        # MFU: the model's training FLOPs per token (workbench.train.flops) against the device's peak
+        # for the precision the matmuls run in (None where the peak is unknown, e.g. on CPU).
+        flops_per_token = flops.flops_per_token(mcfg, tcfg.seq_len)
+        precision = flops.precision_of(tcfg, device.type)
+        peak = flops.peak_flops_per_s(device, precision, tcfg.peak_tflops)
         events.emit("start", pid=os.getpid(), world_size=world, layout=pcfg.describe(),
-                    local_params=local_params, n_params=mcfg.n_params, device=str(device),
+                    local_params=local_params, n_params=mcfg.n_params, device=str(device), backend=backend,
                     zero=pcfg.zero, mixed_precision=tcfg.mixed_precision, param_dtype=param_dtype,
                     activation_checkpointing=tcfg.activation_checkpointing, build_peak_bytes=build_peak,
-                    kernels=kernels_resolved)
+                    kernels=kernels_resolved, optim_impl=optimizer_impl_of(opt),
+                    compiled_blocks=sum(compiled_blocks(m) for m in stages.modules), precision=precision,
+                    flops_per_token=flops_per_token, peak_flops_per_s=peak)
 
         ema = EMA(model_view(model), tcfg.ema) if tcfg.ema else None
         state = TrainState(model, opt, sched, ema, rank=rank)
@@ -166,8 +181,10 @@ def train(job: JobConfig, run_dir: str) -> None:
             dt = time.perf_counter() - t0
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss became {loss_value} at step {step}; lower lr (now {tcfg.lr})")
+            tflops = tokens_per_step / dt * flops_per_token / world / 1e12  # achieved, per rank
             events.emit("step", step=step, loss=loss_value, tokens_per_s=tokens_per_step / dt,
-                        step_time_s=dt, mem_bytes=_mem_bytes(device), grad_norm=gnorm, lr=lr,
+                        step_time_s=dt, mem_bytes=_mem_bytes(device), grad_norm=gnorm, lr=lr, tflops=tflops,
+                        mfu=flops.mfu(tokens_per_step / dt / world, flops_per_token, peak),
                         **({"aux_loss": float(aux_sum)} if moe else {}),
                         **({"peak_mem_bytes": probe.peak()} if probe is not None else {}))
             if recorder is not None:  # live and peak bytes of this step, by category (the dashboard plots it)

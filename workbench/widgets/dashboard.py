@@ -40,7 +40,7 @@ from workbench.widgets.plots import (RANK_DASHES, RUN_COLORS, plot_pipeline_time
                                      run_label)
 
 # The training settings the dashboard shows controls for (every ParallelConfig setting gets one).
-TRAIN_CONTROLS = ("data", "steps", "global_batch", "seed")
+TRAIN_CONTROLS = ("data", "steps", "global_batch", "seed", "device")
 # What the memory plot shows, by where Run.memory_history found it.
 MEMORY_TITLES = {
     "memory": "Memory per step: each rank's peak within the step",
