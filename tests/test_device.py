@@ -204,3 +204,17 @@ def test_memory_floor_counts_only_this_machines_ranks():
     budget = int(both * 0.75 / 0.9)  # room for one rank's state, not two
     assert "on 2 local rank(s)" in memory_shortfall(job, available=budget, nnodes=1)
     assert memory_shortfall(job, available=budget, nnodes=2) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_make_test_gpu_runs_the_gpu_tests_which_skip_here_with_the_reason(repo):
+    import sys
+
+    dry = subprocess.run(["make", "-n", "test-gpu"], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0 and "-m pytest -m gpu" in dry.stdout
+    p = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+                        "tests/test_gpu.py"], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:]
+    import re
+
+    assert re.search(r"\b\d+ skipped", p.stdout) and "needs a CUDA GPU" in p.stdout and "passed" not in p.stdout
