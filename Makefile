@@ -11,12 +11,15 @@ PYTEST_ARGS ?=
 # JupyterLab refuses root unless told; containers and CI machines often run as root.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test test-gpu install browser clean
+.PHONY: lab test test-gpu install browser clean extension
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	@# An editable install skips pyproject's data-files: enable the jupyter_server extension by hand.
+	install -D -m644 workbench/jupyter/jupyter_server_config.d/parallel_workbench.json \
+	  $(VENV)/etc/jupyter/jupyter_server_config.d/parallel_workbench.json
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -29,11 +32,16 @@ browser:
 	      || echo "warning: could not install chromium; browser tests will be skipped"; \
 	  else echo "note: chromium not found and apt-get unavailable; browser tests will be skipped"; fi; }
 
-lab: $(STAMP)
+# The JupyterLab extension (extensions/ -> workbench/labextension/, linked into the venv): rebuilt only when
+# its sources' hash changed; without Node the committed prebuilt one is used.
+extension: $(STAMP)
+	@VENV=$(abspath $(VENV)) extensions/build.sh
+
+lab: $(STAMP) extension
 	@echo "Starting JupyterLab on notebooks/ -- open the http://$(LAB_IP):$(LAB_PORT)/lab?token=... URL printed below"
 	$(VENV)/bin/jupyter lab --no-browser --ip=$(LAB_IP) --port=$(LAB_PORT) --ServerApp.root_dir=notebooks $(LAB_ROOT_FLAG)
 
-test: $(STAMP) browser
+test: $(STAMP) browser extension
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The tests marked `gpu` (NCCL training, pinned async checkpoints and bitwise resume on CUDA, CUDA memory

@@ -16,6 +16,7 @@ dashboard, not only the first tutorial's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -177,7 +178,6 @@ def lab(tmp_path_factory) -> LabServer:
     for d in ("config", "data", "runtime", "ipython", "user-settings", "workspaces", "tmp"):
         (base / d).mkdir()
 
-    port, token = _free_port(), uuid.uuid4().hex
     env = dict(os.environ)
     # Isolated from the user's Jupyter config and state. Labextensions still come from sys.prefix.
     env.update(JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTER_DATA_DIR=str(base / "data"),
@@ -185,6 +185,15 @@ def lab(tmp_path_factory) -> LabServer:
                JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1",
                TMPDIR=str(base / "tmp"))  # run directories the notebooks create land here, not in /tmp
     env.setdefault("OMP_NUM_THREADS", "1")
+    with start_lab(root, base, settings, env) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def start_lab(root: Path, base: Path, settings: Path, env: dict, extra: tuple[str, ...] = ()):
+    """A real ``jupyter lab`` on a free port with a fresh token, serving ``root``; its log in ``base``.
+    Yields the :class:`LabServer` once it answers, and stops it (with its kernels) afterwards."""
+    port, token = _free_port(), uuid.uuid4().hex
     cmd = [
         sys.executable, "-m", "jupyterlab",
         "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
@@ -193,6 +202,7 @@ def lab(tmp_path_factory) -> LabServer:
         "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         "--LabApp.extension_manager=readonly", f"--LabApp.app_settings_dir={settings}",
         f"--LabApp.user_settings_dir={base / 'user-settings'}", f"--LabApp.workspaces_dir={base / 'workspaces'}",
+        *extra,
     ]
     log = base / "jupyter-lab.log"
     with open(log, "wb") as fh:

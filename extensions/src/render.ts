@@ -1,0 +1,288 @@
+// Plain DOM and SVG building blocks: tables, a line chart, a histogram. No charting dependency; the
+// server already downsampled whatever reaches here, so a few thousand points at most.
+import { Json } from './api';
+
+const SVG = 'http://www.w3.org/2000/svg';
+
+export function el<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  cls?: string,
+  text?: string
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  if (cls) {
+    node.className = cls;
+  }
+  if (text !== undefined) {
+    node.textContent = text;
+  }
+  return node;
+}
+
+function svg(tag: string, attrs: Record<string, string | number> = {}): SVGElement {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    node.setAttribute(k, String(v));
+  }
+  return node;
+}
+
+export function formatBytes(n: number): string {
+  if (!Number.isFinite(n)) {
+    return String(n);
+  }
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+  let v = Math.abs(n);
+  let i = 0;
+  while (v >= 1024 && i < units.length - 1) {
+    v /= 1024;
+    i++;
+  }
+  return `${n < 0 ? '-' : ''}${i === 0 ? v : v.toFixed(2)} ${units[i]}`;
+}
+
+export function formatValue(v: Json, column = ''): string {
+  if (v === null || v === undefined) {
+    return '';
+  }
+  if (typeof v === 'number') {
+    if (/bytes/.test(column) && Number.isInteger(v)) {
+      return formatBytes(v);
+    }
+    return Number.isInteger(v) ? String(v) : v.toPrecision(6);
+  }
+  if (Array.isArray(v)) {
+    return v.length <= 8 && v.every(x => typeof x !== 'object') ? `[${v.join(', ')}]` : `[${v.length} items]`;
+  }
+  if (typeof v === 'object') {
+    return JSON.stringify(v).slice(0, 120);
+  }
+  return String(v);
+}
+
+/** Rows as records, whether the server sent records or {column: values}. */
+export function asRecords(data: Json): Record<string, Json>[] {
+  if (Array.isArray(data)) {
+    return data.map(r => (r !== null && typeof r === 'object' ? r : { value: r }));
+  }
+  if (data && typeof data === 'object') {
+    const cols = Object.keys(data).filter(k => Array.isArray(data[k]));
+    if (cols.length) {
+      const n = Math.max(...cols.map(c => data[c].length));
+      return Array.from({ length: n }, (_, i) => Object.fromEntries(cols.map(c => [c, data[c][i]])));
+    }
+  }
+  return [];
+}
+
+/** One numeric column, from records or from {column: values}. */
+export function column(data: Json, name: string): number[] {
+  if (data && !Array.isArray(data) && Array.isArray(data[name])) {
+    return data[name].map(Number);
+  }
+  return asRecords(data).map(r => Number(r[name]));
+}
+
+export function table(
+  rows: Record<string, Json>[],
+  columns?: string[],
+  onRowClick?: (row: Record<string, Json>, tr: HTMLTableRowElement) => void,
+  bytesColumns: string[] = []
+): HTMLTableElement {
+  const cols = columns ?? Array.from(new Set(rows.flatMap(r => Object.keys(r))));
+  const t = el('table', 'pw-table');
+  const head = t.createTHead().insertRow();
+  for (const c of cols) {
+    head.appendChild(el('th', undefined, c));
+  }
+  const body = t.createTBody();
+  for (const r of rows) {
+    const tr = body.insertRow();
+    for (const c of cols) {
+      const td = tr.insertCell();
+      td.textContent = formatValue(r[c], bytesColumns.includes(c) ? 'bytes' : c);
+      if (typeof r[c] === 'number') {
+        td.className = 'pw-num';
+      }
+    }
+    if (onRowClick) {
+      tr.classList.add('pw-clickable');
+      tr.addEventListener('click', () => onRowClick(r, tr));
+    }
+  }
+  return t;
+}
+
+/** Any JSON object as nested key/value tables: for results whose exact shape may grow (verify, diff). */
+export function jsonView(value: Json, depth = 0, hint = ''): HTMLElement {
+  if (value === null || typeof value !== 'object') {
+    return el('span', 'pw-scalar', formatValue(value, hint));
+  }
+  if (Array.isArray(value)) {
+    if (value.length && value.every(v => v && typeof v === 'object' && !Array.isArray(v))) {
+      const box = el('div');
+      box.appendChild(table(value.slice(0, 200)));
+      if (value.length > 200) {
+        box.appendChild(el('div', 'pw-note', `first 200 of ${value.length} rows`));
+      }
+      return box;
+    }
+    return el('span', 'pw-scalar', formatValue(value));
+  }
+  const t = el('table', 'pw-table pw-kv');
+  for (const [k, v] of Object.entries(value)) {
+    const tr = t.insertRow();
+    tr.appendChild(el('th', undefined, k));
+    const td = tr.insertCell();
+    // Under a "..._bytes" key, every number is a byte count (max_rank_bytes: {parameter: ...}).
+    const h = /bytes/.test(k) ? k : hint || k;
+    td.appendChild(depth < 3 ? jsonView(v, depth + 1, h) : el('span', undefined, formatValue(v, h)));
+  }
+  return t;
+}
+
+export interface ISeries {
+  name: string;
+  x: number[];
+  y: number[];
+}
+
+/** A line chart of one or more series sharing the x axis; drag to select an x window. */
+export function lineChart(
+  series: ISeries[],
+  options: {
+    title?: string;
+    xLabel?: string;
+    yFormat?: (v: number) => string;
+    onSelect?: (x0: number, x1: number) => void;
+    width?: number;
+    height?: number;
+  } = {}
+): HTMLElement {
+  const W = options.width ?? 720;
+  const H = options.height ?? 240;
+  const m = { l: 80, r: 16, t: 24, b: 36 };
+  const fmt = options.yFormat ?? ((v: number) => (Math.abs(v) >= 1e4 ? v.toExponential(2) : v.toPrecision(4)));
+  const box = el('div', 'pw-chart');
+  const root = svg('svg', { viewBox: `0 0 ${W} ${H}`, width: W, height: H }) as SVGSVGElement;
+  box.appendChild(root);
+  const xs = series.flatMap(s => s.x).filter(Number.isFinite);
+  const ys = series.flatMap(s => s.y).filter(Number.isFinite);
+  if (options.title) {
+    const t = svg('text', { x: m.l, y: 16, class: 'pw-chart-title' });
+    t.textContent = options.title;
+    root.appendChild(t);
+  }
+  if (!xs.length || !ys.length) {
+    const t = svg('text', { x: W / 2, y: H / 2, 'text-anchor': 'middle' });
+    t.textContent = 'no data';
+    root.appendChild(t);
+    return box;
+  }
+  let [x0, x1] = [Math.min(...xs), Math.max(...xs)];
+  let [y0, y1] = [Math.min(...ys), Math.max(...ys)];
+  if (x0 === x1) {
+    x1 = x0 + 1;
+  }
+  if (y0 === y1) {
+    y1 = y0 + 1;
+  }
+  if (y0 > 0 && y0 / y1 < 0.5) {
+    y0 = 0;
+  }
+  const sx = (x: number) => m.l + ((x - x0) / (x1 - x0)) * (W - m.l - m.r);
+  const sy = (y: number) => H - m.b - ((y - y0) / (y1 - y0)) * (H - m.t - m.b);
+  root.appendChild(svg('line', { x1: m.l, y1: H - m.b, x2: W - m.r, y2: H - m.b, class: 'pw-axis' }));
+  root.appendChild(svg('line', { x1: m.l, y1: m.t, x2: m.l, y2: H - m.b, class: 'pw-axis' }));
+  for (let i = 0; i <= 4; i++) {
+    const yv = y0 + ((y1 - y0) * i) / 4;
+    const ty = svg('text', { x: m.l - 4, y: sy(yv) + 4, 'text-anchor': 'end', class: 'pw-tick' });
+    ty.textContent = fmt(yv);
+    root.appendChild(ty);
+    const xv = x0 + ((x1 - x0) * i) / 4;
+    const tx = svg('text', { x: sx(xv), y: H - m.b + 14, 'text-anchor': 'middle', class: 'pw-tick' });
+    tx.textContent = Math.abs(xv) >= 1e4 ? xv.toExponential(2) : String(Number(xv.toPrecision(4)));
+    root.appendChild(tx);
+  }
+  if (options.xLabel) {
+    const t = svg('text', { x: (W + m.l) / 2, y: H - 4, 'text-anchor': 'middle', class: 'pw-tick' });
+    t.textContent = options.xLabel;
+    root.appendChild(t);
+  }
+  series.forEach((s, k) => {
+    const pts: string[] = [];
+    for (let i = 0; i < s.x.length; i++) {
+      if (Number.isFinite(s.x[i]) && Number.isFinite(s.y[i])) {
+        pts.push(`${sx(s.x[i]).toFixed(1)},${sy(s.y[i]).toFixed(1)}`);
+      }
+    }
+    root.appendChild(svg('polyline', { points: pts.join(' '), class: `pw-line pw-line-${k % 6}` }));
+  });
+  if (series.length > 1) {
+    const legend = el('div', 'pw-legend-box');
+    series.forEach((s, k) => legend.appendChild(el('span', `pw-legend-item pw-swatch-${k % 6}`, s.name)));
+    box.appendChild(legend);
+  }
+  if (options.onSelect) {
+    // Drag across the plot to zoom into that x window (the server re-downsamples it).
+    const band = svg('rect', { y: m.t, height: H - m.t - m.b, width: 0, class: 'pw-band' });
+    root.appendChild(band);
+    const toX = (ev: MouseEvent) => {
+      const r = root.getBoundingClientRect();
+      const px = ((ev.clientX - r.left) / r.width) * W;
+      return x0 + ((Math.min(Math.max(px, m.l), W - m.r) - m.l) / (W - m.l - m.r)) * (x1 - x0);
+    };
+    let start: number | null = null;
+    root.addEventListener('mousedown', ev => {
+      start = toX(ev);
+    });
+    root.addEventListener('mousemove', ev => {
+      if (start !== null) {
+        const a = sx(Math.min(start, toX(ev)));
+        band.setAttribute('x', String(a));
+        band.setAttribute('width', String(sx(Math.max(start, toX(ev))) - a));
+      }
+    });
+    root.addEventListener('mouseup', ev => {
+      if (start !== null) {
+        const [a, b] = [Math.min(start, toX(ev)), Math.max(start, toX(ev))];
+        start = null;
+        if (b > a) {
+          options.onSelect!(a, b);
+        }
+      }
+    });
+  }
+  return box;
+}
+
+/** A histogram from bin edges (n+1) and counts (n). */
+export function histogram(edges: number[], counts: number[], title = 'histogram'): HTMLElement {
+  const W = 480;
+  const H = 180;
+  const m = { l: 48, r: 8, t: 20, b: 30 };
+  const box = el('div', 'pw-chart');
+  const root = svg('svg', { viewBox: `0 0 ${W} ${H}`, width: W, height: H });
+  box.appendChild(root);
+  const t = svg('text', { x: m.l, y: 14, class: 'pw-chart-title' });
+  t.textContent = title;
+  root.appendChild(t);
+  const n = counts.length;
+  const top = Math.max(1, ...counts);
+  const bw = (W - m.l - m.r) / Math.max(1, n);
+  counts.forEach((c, i) => {
+    const h = (c / top) * (H - m.t - m.b);
+    root.appendChild(svg('rect', { x: m.l + i * bw, y: H - m.b - h, width: Math.max(1, bw - 1), height: h, class: 'pw-bar' }));
+  });
+  if (edges.length) {
+    for (const [x, v, a] of [[m.l, edges[0], 'start'], [W - m.r, edges[edges.length - 1], 'end']] as const) {
+      const tx = svg('text', { x, y: H - m.b + 14, 'text-anchor': a, class: 'pw-tick' });
+      tx.textContent = Number(v).toPrecision(4);
+      root.appendChild(tx);
+    }
+  }
+  const ty = svg('text', { x: m.l - 4, y: m.t + 8, 'text-anchor': 'end', class: 'pw-tick' });
+  ty.textContent = String(top);
+  root.appendChild(ty);
+  return box;
+}

@@ -1,0 +1,253 @@
+"""The JupyterLab views' HTTP API: ``GET /workbench/api/...``, JSON in, JSON out, never a whole file.
+
+Every ``path``/``other`` is relative to the server's root directory (what JupyterLab's file browser
+calls a path: ``runs/r1/checkpoints/step-000002``; a leading ``/`` means the root). One that escapes the
+root (``..``, a symlink that points outside, a checkpoint whose metadata names files outside) is refused,
+and so is a hidden one unless the server allows hidden files (``ContentsManager.allow_hidden``). Requests need
+the server's token or cookie, like the contents API. Numbers are plain JSON: NaN and inf become null.
+Absolute paths under the root inside answers (an event's checkpoint path, a verify problem's file) are
+sent relative to the root, so the client can pass them back as ``path``.
+
+Errors: HTTP 400 (a bad query argument), 403 (outside the root), 404 (no such file, key or rank), 422
+(a file that is not what it claims, damaged, or hostile: nothing is ever unpickled), 500 (a bug), each
+with the body ``{"error": "<one line: the problem; the fix>"}``.
+
+``GET open?path=P`` -> which view opens P::
+
+    {"path", "name", "is_dir", "view": "checkpoint" | "snapshot" | "run" | "plan", "format", ...}
+    checkpoint: format "workbench" | "dcp" | "hf" | "safetensors" | "torch"; "checkpoint" (the resolved
+                checkpoint path: a run dir's latest step), "step", "n_tensors", "total_bytes"
+    snapshot:   format "snapshot" (a .pickle) | "profiler" | "timeline"; "bytes"
+    run:        "run" (the run directory, also for its events.jsonl), "checkpoints" (if any)
+    plan:       "model", "layout", "world_size"
+    (a run directory opens as "run"; pass its checkpoints/ to open the checkpoint view)
+
+``GET checkpoint/manifest?path=&offset=0&limit=200&filter=&kind=`` (``filter``: case-insensitive
+substring of the key; ``kind``: comma-separated of model, optimizer, master, rng, extra)::
+
+    {"path", "summary": {path, format, step, world_size, layout, layout_description, n_tensors, n_entries,
+                         total_bytes, bytes_by_kind: {kind: bytes}, n_params_model, dtypes, n_files},
+     "kinds": [...], "shard_map": [{"file", "rank" (null unless DCP), "chunks", "bytes", "bytes_by_kind"}],
+     "offset", "limit", "total" (rows after filtering),
+     "rows": [{"key", "dtype", "shape" (null for a pickled plain value), "kind", "bytes", "n_shards",
+               "ranks": [writer ranks], "shards": [{"file", "rank", "offsets", "lengths"}] (first 64)}]}
+
+``GET checkpoint/tensor?path=&key=&bins=64`` (0 <= bins <= 1000; ``workbench.checkpoint.tensor_stats``,
+only that tensor is read, statistics over the finite values)::
+
+    {"path", "key", "dtype", "shape", "kind", "bytes", "numel", "min", "max", "mean", "std", "abs_mean", "norm",
+     "zeros", "non_finite", "histogram": {"centers": [...], "counts": [...], "width"}}
+
+``GET checkpoint/verify?path=&deep=false`` -> ``VerifyReport.to_dict()``::
+
+    {"path", "format", "ok", "problems": [{"file", "problem", "fix", "message"}], "warnings", "checked"}
+
+``GET checkpoint/diff?path=&other=&values=true&top=20`` -> ``CheckpointDiff.to_dict()``, lists capped at 500::
+
+    {"a", "b", "identical", "added", "removed", "changed": [{key, kind, a_dtype, a_shape, b_dtype, b_shape}],
+     "n_added", "n_removed", "n_changed", "n_compared", "n_equal",
+     "top_changes": [{"key", "kind", "max_abs", "rel_norm", "equal"}]}
+
+``GET checkpoint/plan-load?path=&to=dp_shard=2,tp=2&model=&nproc=&full_state=&dtype=&<field>=<value>...``
+(any other argument is a layout setting: ``tp=2``, ``pp=2``, ``dp_shard=4`` ...; ``model``: a preset or a
+config.json under the root; default the checkpoint's own) -> ``LoadPlan.to_dict()``::
+
+    {"src", "model", "target", "target_description", "world_size", "source_layout", "source_world_size",
+     "loadable", "reasons": [one line each], "layout_error", "missing" (first 200), "n_missing",
+     "unexpected" (first 200), "n_unexpected", "reshaped": [{key, checkpoint_shape, target_shape}],
+     "dtype_changes", "notes", "checked", "bytes_to_read"}
+
+``GET memory/timeline?path=&t0=&t1=&points=2000&rank=`` (seconds; default the whole trace; at most
+``points`` points per rank, <= 20000: the min and max of equal-count bins, plus one point before t0 so
+the line starts at the right level; ``rank``: comma-separated, default all). Parsed once per (path,
+mtime, size)::
+
+    {"path", "source", "device", "ranks", "categories": [8 names], "t_range": [t_min, t_max], "window": [t0, t1],
+     "points", "steps",
+     "per_rank": [{"rank", "base_bytes", "events", "events_in_window",
+                   "t": [...], "total_bytes": [...], "categories": {category: [...]} (those non-zero),
+                   "peak": {"bytes", "t", "step", "phase", "microbatch", "by_category": {...},
+                            "alive": [{"id", "bytes", "category", "module", "op", "phase", "t"}] (top 10)},
+                   "window_peak": {"bytes", "t", "phase", "step"} | null,
+                   "phases": [{"phase", "step", "microbatch", "t0", "t1"}]}]}
+
+``GET plan?path=&offset=0&limit=256`` (a plan JSON: ``workbench plan --json`` or ``ShardingPlan.to_json()``)::
+
+    {"path", "summary" (ShardingPlan.summary()), "layout", "parallel", "mesh": {dim: size}, "world_size",
+     "categories": ["parameter", "gradient", "optimizer", "master", "total"],
+     "offset", "limit", "rows": [{"rank", "coords": {pp, dp_replicate, dp_shard, tp}, <category>: bytes...}],
+     "distinct": [{"ranks": "0-3, 8", "count", <category>: bytes...}] (up to 100, largest total first),
+     "n_distinct", "comm": [{collective, mesh_dim, phase, bytes_per_rank, calls_per_step, tensor_bytes,
+     group_size, stage, what}], "notes", "predicted_peak_bytes" (if the JSON has it)}
+
+``GET run/events?path=&since=0&types=step,checkpoint&limit=5000&points=0`` (``path``: a run directory or
+its events.jsonl; ``since``: how many events the client has, in file order; ``types`` filters what is
+returned, not what is counted; ``points`` > 0 adds per-rank step series downsampled to that many points)::
+
+    {"path", "total", "since", "next" (pass as since next time; == total when caught up),
+     "events": [event objects: type, rank, time, ...], "status": "running" | "succeeded" | "failed" | "stopped",
+     "summary": {"status", "model", "layout", "steps_planned", "steps_logged", "first_loss", "final_loss",
+                 "last_step", "peak_mem_bytes", "ranks", "checkpoints": [steps], "error": {rank, message}},
+     "series": {rank: {"step": [...], "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr"}}}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+from tornado import web
+
+from workbench.jupyter import checkpoints, files, plans, runs, timelines
+from workbench.jupyter.files import Refused
+from workbench.jupyter.opening import open_info
+
+try:  # jupyter_server >= 2: the same permission the contents API asks for reading files
+    from jupyter_server.auth.decorator import authorized
+except ImportError:  # pragma: no cover - older servers: authentication only
+    def authorized(method):
+        return method
+
+__all__ = ["setup_handlers", "API_PREFIX"]
+
+API_PREFIX = "workbench/api"
+
+
+class _WorkbenchHandler(APIHandler):
+    """Runs ``answer()`` in a thread (parsing a snapshot takes seconds; the server keeps serving) and
+    turns every refusal into ``{"error": one line}``."""
+
+    auth_resource = "contents"
+
+    def initialize(self, root: Path) -> None:
+        self.root = Path(root).resolve()
+        cm = self.settings.get("contents_manager")
+        self.allow_hidden = bool(getattr(cm, "allow_hidden", True))
+
+    def answer(self) -> dict[str, Any]:  # pragma: no cover - each route defines it
+        raise NotImplementedError
+
+    # -- query arguments --------------------------------------------------------------------------
+    def path(self, name: str = "path") -> Path:
+        return files.resolve(self.root, self.get_argument(name, None), name, self.allow_hidden)
+
+    def int_arg(self, name: str, default: int, lo: int = 0, hi: int | None = None) -> int:
+        v = self.get_argument(name, None)
+        return default if v in (None, "") else files.parse_int(v, name, lo, hi)
+
+    def float_arg(self, name: str) -> float | None:
+        v = self.get_argument(name, None)
+        return None if v in (None, "") else files.parse_float(v, name)
+
+    def bool_arg(self, name: str, default: bool) -> bool:
+        v = self.get_argument(name, None)
+        return default if v in (None, "") else files.parse_bool(v, name)
+
+    def list_arg(self, name: str) -> list[str] | None:
+        v = self.get_argument(name, None)
+        return None if not v else [x.strip() for x in v.split(",") if x.strip()]
+
+    # -- the one GET ------------------------------------------------------------------------------
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            body = await loop.run_in_executor(None, self.answer)
+            status = 200
+        except Refused as e:
+            status, body = e.status, {"error": str(e)}
+        except Exception as e:  # a bug: still one line, and the traceback goes to the server log
+            self.log.exception("workbench: %s failed", self.request.uri)
+            status, body = 500, {"error": f"internal error in the workbench server extension: {type(e).__name__}: "
+                                           f"{files.first_line(e)}; see the jupyter server log"}
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+        self.finish(json.dumps(files.json_safe(body, self.root), allow_nan=False))
+
+
+def _route(fn: Callable[[_WorkbenchHandler], dict[str, Any]]) -> type[_WorkbenchHandler]:
+    """A handler class whose answer is ``fn(handler)``."""
+    return type(f"Workbench_{fn.__name__}", (_WorkbenchHandler,), {"answer": fn})
+
+
+def _open(h: _WorkbenchHandler) -> dict[str, Any]:
+    return open_info(h.root, h.path())
+
+
+def _manifest(h: _WorkbenchHandler) -> dict[str, Any]:
+    return checkpoints.manifest_page(h.root, h.path(), offset=h.int_arg("offset", 0),
+                                     limit=h.int_arg("limit", 200, 1, files.MAX_LIMIT),
+                                     filter=h.get_argument("filter", ""), kind=h.get_argument("kind", ""))
+
+
+def _tensor(h: _WorkbenchHandler) -> dict[str, Any]:
+    key = h.get_argument("key", None)
+    if not key:
+        raise Refused(400, "missing ?key=; pick a key from checkpoint/manifest")
+    return checkpoints.tensor_answer(h.root, h.path(), key, bins=h.int_arg("bins", 64, 0, files.MAX_BINS))
+
+
+def _verify(h: _WorkbenchHandler) -> dict[str, Any]:
+    return checkpoints.verify_answer(h.root, h.path(), deep=h.bool_arg("deep", False))
+
+
+def _diff(h: _WorkbenchHandler) -> dict[str, Any]:
+    return checkpoints.diff_answer(h.root, h.path(), h.path("other"), values=h.bool_arg("values", True),
+                                   top=h.int_arg("top", 20, 1, 500))
+
+
+def _plan_load(h: _WorkbenchHandler) -> dict[str, Any]:
+    args = {k: h.get_argument(k) for k in h.request.arguments}
+    return checkpoints.plan_load_answer(h.root, h.path(), args)
+
+
+def _timeline(h: _WorkbenchHandler) -> dict[str, Any]:
+    ranks = h.list_arg("rank")
+    return timelines.timeline_window(h.root, h.path(), h.float_arg("t0"), h.float_arg("t1"),
+                                     points=h.int_arg("points", 2000, 4, files.MAX_POINTS),
+                                     ranks=None if ranks is None else [files.parse_int(r, "rank", 0) for r in ranks])
+
+
+def _plan(h: _WorkbenchHandler) -> dict[str, Any]:
+    return plans.plan_table(h.root, h.path(), offset=h.int_arg("offset", 0),
+                            limit=h.int_arg("limit", 256, 1, files.MAX_LIMIT))
+
+
+def _events(h: _WorkbenchHandler) -> dict[str, Any]:
+    return runs.run_events(h.root, h.path(), since=h.int_arg("since", 0), types=h.list_arg("types"),
+                           limit=h.int_arg("limit", 5000, 1, 100_000),
+                           points=h.int_arg("points", 0, 0, files.MAX_POINTS))
+
+
+ROUTES = {
+    "open": _open,
+    "checkpoint/manifest": _manifest,
+    "checkpoint/tensor": _tensor,
+    "checkpoint/verify": _verify,
+    "checkpoint/diff": _diff,
+    "checkpoint/plan-load": _plan_load,
+    "memory/timeline": _timeline,
+    "plan": _plan,
+    "run/events": _events,
+}
+
+
+class _NotFound(_WorkbenchHandler):
+    def answer(self) -> dict[str, Any]:
+        raise Refused(404, f"{self.request.path} is no workbench endpoint; use one of "
+                      + ", ".join(f"{API_PREFIX}/{r}" for r in ROUTES))
+
+
+def setup_handlers(web_app: Any, root_dir: str | Path) -> None:
+    """Add the routes above to a jupyter_server web application serving ``root_dir``."""
+    base = web_app.settings.get("base_url", "/")
+    kw = {"root": Path(root_dir).expanduser()}
+    handlers = [(url_path_join(base, API_PREFIX, route) + "/?", _route(fn), kw) for route, fn in ROUTES.items()]
+    handlers.append((url_path_join(base, API_PREFIX, ".*"), _NotFound, kw))
+    web_app.add_handlers(".*$", handlers)

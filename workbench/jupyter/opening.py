@@ -1,0 +1,56 @@
+"""``open``: what a path is and which view opens it, from headers only (nothing is unpickled)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from workbench.jupyter.checkpoints import manifest_of
+from workbench.jupyter.files import Refused, read_json, relative
+from workbench.jupyter.plans import looks_like_plan
+from workbench.jupyter.timelines import warm
+
+__all__ = ["open_info", "is_run_dir"]
+
+
+def is_run_dir(p: Path) -> bool:
+    return p.is_dir() and (p / "events.jsonl").is_file()
+
+
+def open_info(root: Path, p: Path) -> dict[str, Any]:
+    """``{"path", "view", "format", "name", ...}``: which view opens ``p`` (see handlers' docstring)."""
+    from workbench.memory.snapshot import identify_memory_file
+
+    rel = relative(root, p)
+    base = {"path": rel, "name": p.name, "is_dir": p.is_dir()}
+    if is_run_dir(p) or (p.is_file() and p.name == "events.jsonl"):
+        run = p if p.is_dir() else p.parent
+        out = {**base, "view": "run", "format": "run", "run": relative(root, run)}
+        if (run / "checkpoints").is_dir():
+            out["checkpoints"] = relative(root, run / "checkpoints")
+        return out
+    if p.is_file() and p.suffix in (".pickle", ".pkl"):
+        kind = identify_memory_file(p)
+        if kind == "snapshot":
+            warm(root, p)
+            return {**base, "view": "snapshot", "format": "snapshot", "bytes": p.stat().st_size}
+        raise Refused(422, f"{rel}: not a torch memory snapshot (no 'segments'/'device_traces' in its header; "
+                      "it was not unpickled); open a file written by torch.cuda.memory._dump_snapshot()")
+    if p.is_file() and p.suffix == ".json" and not p.name.endswith(".safetensors.index.json") \
+            and p.name != "workbench.json":
+        kind = identify_memory_file(p)
+        if kind == "profiler":
+            return {**base, "view": "snapshot", "format": "profiler", "bytes": p.stat().st_size}
+        doc = read_json(p)
+        if looks_like_plan(doc):
+            s = doc.get("summary") or {}
+            return {**base, "view": "plan", "format": "plan", "model": s.get("model_name"),
+                    "layout": s.get("layout"), "world_size": s.get("world_size")}
+        raise Refused(422, f"{rel}: a JSON file that is not a workbench plan (needs summary, parallel and "
+                      "tensors); write one with `workbench plan MODEL --json > plan.json` or ShardingPlan.to_json()")
+    if p.is_dir() and identify_memory_file(p) is not None and not (p / ".metadata").exists():
+        return {**base, "view": "snapshot", "format": identify_memory_file(p)}
+    m = manifest_of(root, p)  # checkpoints: headers and metadata only, so opening one also validates it
+    s = m.summary()
+    return {**base, "view": "checkpoint", "format": m.format, "checkpoint": relative(root, m.path),
+            "step": s["step"], "n_tensors": s["n_tensors"], "total_bytes": s["total_bytes"]}
