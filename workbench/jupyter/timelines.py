@@ -91,27 +91,9 @@ def warm(root: Path, p: Path) -> None:
     threading.Thread(target=work, name=f"workbench-parse-{p.name}", daemon=True).start()
 
 
-def _window_indices(total: np.ndarray, i0: int, i1: int, points: int) -> np.ndarray:
-    """Indices in [i0, i1) to draw: all when few, else the min and max of equal-count bins (so the peak
-    and the dips survive), plus the first and last."""
-    n = i1 - i0
-    if n <= points:
-        return np.arange(i0, i1)
-    nb = max(1, (points - 2) // 2)
-    starts = np.unique(np.linspace(0, n, nb, endpoint=False).astype(np.int64))
-    seg = total[i0:i1]
-    lengths = np.diff(np.r_[starts, n])
-    owner = np.repeat(np.arange(len(starts)), lengths)
-    order = np.lexsort((seg, owner))  # by bin, then by value
-    ends = np.cumsum(lengths)
-    lo = order[ends - lengths]  # min of each bin
-    hi = order[ends - 1]  # max of each bin
-    return i0 + np.unique(np.r_[0, lo, hi, n - 1])
-
-
 def timeline_window(root: Path, p: Path, t0: float | None = None, t1: float | None = None, points: int = 2000,
                     ranks: list[int] | None = None) -> dict[str, Any]:
-    from workbench.memory.timeline import CATEGORIES
+    from workbench.memory.timeline import CATEGORIES, extreme_indices
 
     loaded = _load_timeline(root, p)
     tl = loaded.tl
@@ -131,7 +113,7 @@ def timeline_window(root: Path, p: Path, t0: float | None = None, t1: float | No
         d = loaded.ranks[r]
         i0 = int(np.searchsorted(d.t, lo, "left"))
         i1 = int(np.searchsorted(d.t, hi, "right"))
-        idx = _window_indices(d.total, i0, i1, points)
+        idx = i0 + extreme_indices(d.total[i0:i1], points)  # the core's rule: bin minima and maxima
         if i0 > 0:  # the level the window starts at
             idx = np.r_[i0 - 1, idx]
         used = [j for j, c in enumerate(CATEGORIES) if len(idx) and d.cats[idx, j].any()]

@@ -371,8 +371,8 @@ class MemoryTimeline(RendersInNotebook):
     def downsample(self, rank: int, max_points: int = 2000, *, step: int | None = None) -> pd.DataFrame:
         """At most ``max_points`` rows of ``rank`` for plotting: t, total and bytes per category.
 
-        Events are cut into equal-count bins, and each bin is represented by its event with the largest
-        total, so peaks survive. The first and last events are always kept. ``step`` keeps the events of
+        The rows are :func:`extreme_indices` of the totals: each equal-count bin's smallest and largest
+        total, so peaks and dips survive, and the first and last events. ``step`` keeps the events of
         that step only, each still counting the bytes alive from before it (unlike ``select(step=...)``,
         whose category bytes start again from ``base_bytes``).
         """
@@ -381,20 +381,8 @@ class MemoryTimeline(RendersInNotebook):
         if step is not None:
             keep_step = (ev["step"] == step).to_numpy()
             ev, cats = ev[keep_step], cats[keep_step]
-        n = len(ev)
         totals = ev["total_bytes"].to_numpy()
-        if n > max_points:
-            bins = np.linspace(0, n, max(max_points - 2, 1), endpoint=False).astype(np.int64)  # + first + last
-            bins = np.unique(bins)
-            # argmax within each bin: maximum.reduceat gives the max; find its first position
-            maxes = np.maximum.reduceat(totals, bins)
-            owner = np.repeat(np.arange(len(bins)), np.diff(np.r_[bins, n]))
-            hit = totals == maxes[owner]
-            first_hit = np.full(len(bins), n, dtype=np.int64)
-            np.minimum.at(first_hit, owner[hit], np.flatnonzero(hit))
-            keep = np.unique(np.r_[0, first_hit, n - 1])
-        else:
-            keep = np.arange(n)
+        keep = extreme_indices(totals, max_points)
         out = cats.iloc[keep].reset_index(drop=True)
         out.insert(0, "t", ev["t"].to_numpy()[keep])
         out.insert(1, "total_bytes", totals[keep])
@@ -488,6 +476,21 @@ class MemoryTimeline(RendersInNotebook):
         head = "".join(f"<th>{c}</th>" for c in ("rank", "peak", "phase", "step", *CATEGORIES))
         return (f"<div><b>MemoryTimeline</b> ({self.source}, {self.device}, {len(self)} events)"
                 f"<table><tr>{head}</tr>{rows}</table></div>")
+
+
+def extreme_indices(values: np.ndarray, points: int) -> np.ndarray:
+    """At most ``points`` sorted indices of ``values`` to draw: all of them when there are few, else the
+    first, the last, and the smallest and largest value of each of ``(points - 2) // 2`` equal-count bins
+    (so the peak and the dips survive downsampling)."""
+    n = len(values)
+    if n <= points:
+        return np.arange(n)
+    starts = np.unique(np.linspace(0, n, max(1, (points - 2) // 2), endpoint=False).astype(np.int64))
+    lengths = np.diff(np.r_[starts, n])
+    owner = np.repeat(np.arange(len(starts)), lengths)
+    order = np.lexsort((values, owner))  # by bin, then by value
+    ends = np.cumsum(lengths)
+    return np.unique(np.r_[0, order[ends - lengths], order[ends - 1], n - 1])
 
 
 def _rank_number(stem: str) -> int:

@@ -20,19 +20,28 @@ __all__ = ["compile_blocks", "compiled_blocks"]
 _MARK = "_workbench_compiled"
 
 
-def compile_blocks(module: nn.Module, *, fullgraph: bool = True) -> int:
-    """Compile the forward of every transformer block in ``module.layers`` (a model or a pipeline
-    stage), in place; returns how many. A block already compiled is left alone."""
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a model or pipeline stage, looking through DDP's wrapper and through
+    activation checkpointing's (the block inside it is what gets compiled, see :func:`compile_blocks`)."""
+    module = module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
     layers = getattr(module, "layers", None)
     if layers is None:
-        return 0
+        return []
+    blocks = layers.values() if isinstance(layers, nn.ModuleDict) else layers
+    return [getattr(b, "_checkpoint_wrapped_module", b) for b in blocks]
+
+
+def compile_blocks(module: nn.Module, *, fullgraph: bool = True) -> int:
+    """Compile the forward of every transformer block in ``module.layers`` (a model or a pipeline
+    stage), in place; returns how many. A block already compiled is left alone.
+
+    Under activation checkpointing the block inside the wrapper is compiled and the checkpoint runs
+    around it, eagerly: the recompute calls the compiled forward again. (Compiling the wrapper traces
+    torch.utils.checkpoint itself, which torch 2.13 cannot do where DTensors cross the block boundary,
+    as under sequence parallelism.) Every block then shares one graph, checkpointed or not.
+    """
     n = 0
-    for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
-        # Under activation checkpointing the block inside the wrapper is compiled and the checkpoint runs
-        # around it, eagerly: the recompute calls the compiled forward again. (Compiling the wrapper
-        # traces torch.utils.checkpoint itself, which torch 2.13 cannot do where DTensors cross the block
-        # boundary, as under sequence parallelism.) Every block then shares one graph, checkpointed or not.
-        block = getattr(block, "_checkpoint_wrapped_module", block)
+    for block in _blocks(module):
         if getattr(block, _MARK, False):
             continue
         block.forward = _unaliased_inputs(torch.compile(block.forward, fullgraph=fullgraph))
@@ -61,10 +70,5 @@ def _unaliased_inputs(compiled):
 
 
 def compiled_blocks(module: nn.Module) -> int:
-    """How many of ``module``'s blocks run compiled (0 for an eager model); DDP's wrapper is looked through."""
-    module = module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
-    layers = getattr(module, "layers", None)
-    if layers is None:
-        return 0
-    blocks = layers.values() if isinstance(layers, nn.ModuleDict) else layers
-    return sum(bool(getattr(getattr(b, "_checkpoint_wrapped_module", b), _MARK, False)) for b in blocks)
+    """How many of ``module``'s blocks run compiled (0 for an eager model)."""
+    return sum(bool(getattr(b, _MARK, False)) for b in _blocks(module))

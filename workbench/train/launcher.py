@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import pandas as pd
 
-from workbench.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, resolve_model, validate
+from workbench.config import DEVICES, JobConfig, ModelConfig, ParallelConfig, TrainConfig, resolve_model, validate
 from workbench.settings import make_configs, split_settings
 from workbench.display import RendersInNotebook
 from workbench.train.events import LAUNCHER_RANK, EventReader, follow
@@ -378,8 +378,8 @@ def resolve_device(choice: str, local_ranks: int, gpus: int | None = None) -> st
     ``gpus`` defaults to :func:`visible_gpus`. Raises ValueError with one line naming both numbers
     and the fixes.
     """
-    if choice not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"device={choice!r}; choose auto, cuda or cpu")
+    if choice not in DEVICES:
+        raise ValueError(f"device={choice!r}; choose one of {', '.join(DEVICES)}")
     if choice == "cpu" or (choice == "auto" and os.environ.get("WORKBENCH_DEVICE", "") == "cpu"):
         return "cpu"
     gpus = visible_gpus() if gpus is None else gpus

@@ -181,10 +181,11 @@ def train(job: JobConfig, run_dir: str) -> None:
             dt = time.perf_counter() - t0
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss became {loss_value} at step {step}; lower lr (now {tcfg.lr})")
-            tflops = tokens_per_step / dt * flops_per_token / world / 1e12  # achieved, per rank
+            per_rank = tokens_per_step / dt / world  # tokens/s of one rank's share
             events.emit("step", step=step, loss=loss_value, tokens_per_s=tokens_per_step / dt,
-                        step_time_s=dt, mem_bytes=_mem_bytes(device), grad_norm=gnorm, lr=lr, tflops=tflops,
-                        mfu=flops.mfu(tokens_per_step / dt / world, flops_per_token, peak),
+                        step_time_s=dt, mem_bytes=_mem_bytes(device), grad_norm=gnorm, lr=lr,
+                        tflops=flops.tflops_per_s(per_rank, flops_per_token),
+                        mfu=flops.mfu(per_rank, flops_per_token, peak),
                         **({"aux_loss": float(aux_sum)} if moe else {}),
                         **({"peak_mem_bytes": probe.peak()} if probe is not None else {}))
             if recorder is not None:  # live and peak bytes of this step, by category (the dashboard plots it)
