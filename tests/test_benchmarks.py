@@ -140,8 +140,9 @@ def test_bench_checkpoint_quick_prints_one_json_document_of_ratios(repo):
     for key in ("cpu_count", "torch", "platform"):
         assert doc["machine"][key], key
     ratios = doc["ratios"]
-    assert set(ratios) == {"save_throughput_vs_raw", "save_time_vs_dcp", "sha256_time_vs_dcp", "async_blocking_vs_sync",
-                           "zero_stall_step_vs_sync", "load_vs_safetensors", "load_without_sha256_vs_safetensors"}
+    assert set(ratios) == {"save_throughput_vs_raw", "save_time_vs_dcp", "checksum_time_vs_dcp", "sha256_time_vs_dcp",
+                           "async_blocking_vs_sync", "zero_stall_step_vs_sync", "load_vs_safetensors",
+                           "load_without_verify_vs_safetensors"}
     for name, r in ratios.items():
         assert math.isfinite(r["median"]) and r["median"] > 0, name
         assert r["min"] <= r["median"] <= r["max"], name

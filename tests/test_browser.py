@@ -46,6 +46,9 @@ CHROMIUM_ARGS = [
 ]
 STEPS = 3
 SERVER_START_S = 60
+# Another environment's python to serve JupyterLab (e.g. an older JupyterLab to check the extension with);
+# it must reach this checkout and its dependencies, and find the extension through JUPYTER_PATH.
+LAB_PYTHON = os.environ.get("WORKBENCH_LAB_PYTHON") or sys.executable
 DASHBOARD_NOTEBOOK = "dashboard_smoke.ipynb"
 # Tutorials whose dashboard is also driven here ("all" for every one). One keeps this file near a minute;
 # test_notebooks.py executes every tutorial headlessly anyway.
@@ -195,7 +198,7 @@ def start_lab(root: Path, base: Path, settings: Path, env: dict, extra: tuple[st
     Yields the :class:`LabServer` once it answers, and stops it (with its kernels) afterwards."""
     port, token = _free_port(), uuid.uuid4().hex
     cmd = [
-        sys.executable, "-m", "jupyterlab",
+        LAB_PYTHON, "-m", "jupyterlab",
         "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.allow_root=True",
         "--ServerApp.terminals_enabled=False",

@@ -104,3 +104,20 @@ def test_verify_panel_and_manifest_displays_as_the_browser(browser, run, monkeyp
     monkeypatch.setattr("IPython.display.display", shown.append)  # what the notebook front end receives
     inspect(run)._ipython_display_()
     assert isinstance(shown[0], CheckpointBrowser) and shown[0].manifest.step == 1
+
+
+def test_fp8_tensor_statistics_and_histogram(tmp_path):
+    from test_checkpoint_fp8 import FP8Weights
+    from workbench.checkpoint import TrainState, save
+    from workbench.widgets import CheckpointBrowser
+
+    model = FP8Weights(0)
+    save(tmp_path / "checkpoints", TrainState(model=model, step=1))
+    browser = CheckpointBrowser(tmp_path / "checkpoints" / "step-000001")
+    browser.select("model.w")
+    stats = browser.load_stats(bins=20)
+    x = model.w.float()
+    assert stats["dtype"] == "float8_e4m3fn" and stats["non_finite"] == 1  # e4m3fn's NaN
+    assert stats["max"] == float(x[x.isfinite()].max())
+    (bars,) = browser.histogram.data
+    assert len(bars.x) == 20 and sum(bars.y) == x.numel() - 1

@@ -95,6 +95,7 @@ def _start_server(base: Path, root: Path) -> Server:
     port, token = _free_port(), uuid.uuid4().hex
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTER_DATA_DIR=str(base / "data"),
                JUPYTER_RUNTIME_DIR=str(base / "runtime"), JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1")
+    env["XDG_CACHE_HOME"] = str(base / "cache")  # parsed snapshots are cached there, not in the user's ~/.cache
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "jupyter_server", "--no-browser", "--ServerApp.ip=127.0.0.1",
@@ -289,6 +290,14 @@ def test_verify_diff_and_the_load_dry_run(server, files):
     bad = server.ok("checkpoint/plan-load", path=STEP, tp=3, dp_shard=1)
     assert not bad["loadable"] and bad["reasons"][0].startswith("layout: ")
     assert "nproc" in server.error("checkpoint/plan-load", 400, path=STEP, nproc="two")
+    # like=: the layout (and model) of a picked run directory or plan JSON
+    like = server.ok("checkpoint/plan-load", path=STEP, like="plan.json")
+    assert like["like"] == "plan.json" and like["world_size"] == 4 and like["loadable"], like
+    assert "dp_shard=2" in like["target_description"] and "tp=2" in like["target_description"]
+    own = server.ok("checkpoint/plan-load", path=STEP, like="run")
+    assert own["loadable"] and own["world_size"] == 1
+    assert "'parallel'" in server.error("checkpoint/plan-load", 422, path=STEP, like="notes.json")
+    assert "both" in server.error("checkpoint/plan-load", 400, path=STEP, like="run", to="tp=2")
 
 
 def test_memory_timeline_downsamples_the_visible_window_and_keeps_the_peak(server, files):
@@ -316,6 +325,55 @@ def test_memory_timeline_downsamples_the_visible_window_and_keeps_the_peak(serve
     assert not files["marker"].exists()
     assert "rank 3" in server.error("memory/timeline", 404, path="snapshot_rank0.pickle", rank=3)
     assert "before t0" in server.error("memory/timeline", 400, path="snapshot_rank0.pickle", t0=2, t1=1)
+
+
+def _cache_entry(cache: Path) -> Path:
+    """The one finished entry of the timeline cache (written by the parse thread after its answer)."""
+    for _ in range(200):
+        done = [d for d in cache.glob("parallel-workbench/timelines/*") if not d.name.startswith(".")]
+        if done and not list(cache.glob("parallel-workbench/timelines/.tmp-*")):
+            return done[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no timeline cache entry under {cache}")
+
+
+def test_parsed_snapshot_is_cached_on_disk_and_a_bad_entry_is_rebuilt(tmp_path, monkeypatch):
+    from workbench.jupyter import timelines
+    from workbench.memory.snapshot import write_synthetic_snapshot
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = tmp_path / "root"
+    root.mkdir()
+    truth = write_synthetic_snapshot(root / "s_rank0.pickle", 200_000, seed=5, n_frames=10)
+    p = (root / "s_rank0.pickle").resolve()
+
+    def fresh(**kw) -> dict:
+        timelines._JOBS.clear()  # as a new server would: nothing in memory
+        body = timelines.timeline_window(root, p, points=300, **kw)
+        assert body["complete"] and body["per_rank"][0]["peak"]["bytes"] == truth["peak_bytes"]
+        return body
+
+    first = fresh()
+    assert not first["parse"]["cached"]
+    # the part read, as the view draws it while reading: at 100% its largest rise is the peak over the base
+    (job,) = timelines._JOBS.values()
+    progress = job.progress(100)
+    assert progress["fraction"] == 1.0 and progress["bytes_total"] == p.stat().st_size
+    assert progress["per_rank"][0]["max_delta_bytes"] == truth["peak_bytes"] - truth["base_bytes"]
+    entry = _cache_entry(tmp_path / "cache")
+    assert sorted(f.name for f in entry.iterdir()) == ["rank0.json", "rank0.npz", "source.json"]
+    second = fresh()
+    assert second["parse"]["cached"] and {**second, "parse": None} == {**first, "parse": None}
+    (entry / "rank0.npz").write_bytes(b"not an npz")  # damaged: ignored, removed, read again
+    third = fresh()
+    assert not third["parse"]["cached"] and {**third, "parse": None} == {**first, "parse": None}
+    _cache_entry(tmp_path / "cache")  # rebuilt
+    assert fresh()["parse"]["cached"]
+    st = p.stat()
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: the entry is stale
+    assert not fresh()["parse"]["cached"]
+    _cache_entry(tmp_path / "cache")
+    assert len(list((tmp_path / "cache").glob("parallel-workbench/timelines/*"))) == 1  # the old one went
 
 
 def test_plan_per_rank_table(server, files):
@@ -350,6 +408,12 @@ def test_run_events_are_incremental_with_status_and_losses(server, files):
     page = server.ok("run/events", path="run", since=0, limit=2)
     assert page["next"] == 2 and page["events"] == lines[:2]
     assert "events.jsonl" in server.error("run/events", 404, path="hf")
+    # the way into RUN_DIR/checkpoints, which JupyterLab's file browser cannot enter
+    assert body["checkpoints"] == [{"step": 2, "path": STEP, "latest": True}]
+    # a pp = 1 run has no pipeline timeline (tests/test_lab_extension.py draws a pp = 2 one)
+    assert "pipeline" not in body["summary"]
+    assert "pp > 1" in server.error("run/pipeline", 404, path="run")
+    assert "step" in server.error("run/pipeline", 400, path="run", step="last")
 
 
 def test_requests_need_the_token_and_unknown_endpoints_say_which_exist(server):

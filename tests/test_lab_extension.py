@@ -3,10 +3,13 @@
 A real ``jupyter lab`` (with the workbench server extension and the prebuilt labextension from
 ``workbench/labextension``, which ``make extension`` links into the venv) serves a directory of files
 written by our own code: a safetensors checkpoint, a synthetic torch memory snapshot, a run's events and
-two DCP checkpoints of it, a sharding plan, plus a hostile pickle and a corrupt safetensors file. Playwright drives Debian's Chromium
-(the fixtures come from tests/test_browser.py) and, for each file, double-clicks it and asserts what the
-tab shows: key names, peak bytes, loss values, the plan's layout; the hostile and corrupt files give a
-one-line error and nothing runs.
+two DCP checkpoints of it, a real pipeline run (``workbench.launch``: pp=2, 1F1B, 4 microbatches, two
+checkpoints), a sharding plan, plus a hostile pickle and a corrupt safetensors file. Playwright drives
+Debian's Chromium (the fixtures come from tests/test_browser.py) and, for each file, double-clicks it and
+asserts what the tab shows: key names, peak bytes, loss values, the plan's layout, the pipeline's stage
+rows and microbatch bars; the hostile and corrupt files give a one-line error and nothing runs. The
+run's checkpoints open from its view (the file browser cannot enter a folder named ``checkpoints``),
+Compare with… and Will it load into… take a picked path, and open tabs come back after a reload.
 
 Skipped, with the reason, where Chromium or Playwright is missing, or where the labextension is not
 installed (run ``make extension``).
@@ -79,6 +82,11 @@ def lab_files(tmp_path_factory):
     base = tmp_path_factory.mktemp("labext")
     root = base / "files"
     root.mkdir()
+    import workbench
+
+    # A real pp=2 run (about 5 s), trained while the files are written and the lab starts.
+    pp_run = workbench.launch("tiny", out=root / "pp2", nproc=2, pp=2, pp_schedule="1F1B", microbatches=4,
+                              steps=2, ckpt_every=1, seed=0)
     info = _write_files(root)
     settings = base / "app-settings"
     settings.mkdir()
@@ -87,9 +95,11 @@ def lab_files(tmp_path_factory):
     for d in ("config", "data", "runtime", "user-settings", "workspaces"):
         (base / d).mkdir()
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTER_DATA_DIR=str(base / "data"),
-               JUPYTER_RUNTIME_DIR=str(base / "runtime"), JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1")
+               JUPYTER_RUNTIME_DIR=str(base / "runtime"), JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1",
+               XDG_CACHE_HOME=str(base / "cache"))  # the parsed-snapshot cache, not the user's
     with start_lab(root, base, settings, env, ("--ServerApp.jpserver_extensions={'workbench.jupyter': True}",)) as server:
-        yield server, info
+        pp_run.wait(120)
+        yield server, {**info, "pp_run": pp_run}
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +149,61 @@ def test_snapshot_shows_peak_bytes(page, lab_files, tmp_path):
     mib = info["snapshot"]["peak_bytes"] / 2**20
     assert f"{mib:.2f} MiB" in peak, (peak, info["snapshot"]["peak_bytes"])
     _shot(page, tmp_path, "snapshot")
+
+
+def _responsive(page) -> float:
+    """Seconds the page takes to run a trivial script: a frozen page cannot answer."""
+    t = time.monotonic()
+    assert page.evaluate("1 + 1") == 2
+    return time.monotonic() - t
+
+
+def _server_lag(server) -> float:
+    """Seconds the Jupyter server takes to answer a small request (the read runs beside it)."""
+    t = time.monotonic()
+    assert server.api("/api/status")[0] == 200
+    return time.monotonic() - t
+
+
+def test_1gb_snapshot_paints_while_read_and_stays_responsive(page, lab_files, tmp_path):
+    """A 1 GB snapshot: the part read is drawn within FIRST_PAINT_S of the double-click (the server reads
+    in the background and answers with progress), the page answers scripts within 200 ms throughout,
+    and the full timeline replaces it with the generator's exact peak."""
+    from workbench.memory.snapshot import write_synthetic_snapshot
+
+    server, _ = lab_files
+    big = Path(server.root) / "big_rank0.pickle"
+    try:
+        truth = write_synthetic_snapshot(big, 1 << 30, seed=1)  # 24-frame stacks: ~110 bytes an entry
+        page.locator(".jp-BreadCrumbs-home").click()  # list the new file
+        page.locator(".jp-DirListing-item[title^='Name: big_rank0.pickle']").wait_for(timeout=10_000)
+        t0 = time.monotonic()
+        tab = _open(page, "big_rank0.pickle")
+        tab.locator(".pw-partial polyline.pw-line").first.wait_for(timeout=FIRST_PAINT_S * 1000)
+        first_paint = time.monotonic() - t0
+        label = tab.locator(".pw-progress-label").inner_text()
+        assert "% read" in label, label
+        _shot(page, tmp_path, "snapshot-1gb-partial")
+        lags, server_lags = [_responsive(page)], [_server_lag(server)]
+        final = tab.locator("table.pw-table").filter(has_text="peak_bytes").first
+        while not final.count():
+            assert time.monotonic() - t0 < 150, "the 1 GB snapshot was not read in 150 s"
+            page.wait_for_timeout(1500)
+            lags.append(_responsive(page))
+            server_lags.append(_server_lag(server))
+        full = time.monotonic() - t0
+        assert max(lags) < 0.2, lags
+        assert max(server_lags) < 1.0, server_lags  # tornado keeps serving while the snapshot is read
+        mib = truth["peak_bytes"] / 2**20
+        assert f"{mib:.2f} MiB" in final.inner_text(), (final.inner_text(), truth["peak_bytes"])
+        assert not tab.locator(".pw-partial").count()
+        # Opening never copies the file (JupyterLab's document context checkpoints files it may save).
+        assert not list((big.parent / ".ipynb_checkpoints").glob("big_rank0*"))
+        _shot(page, tmp_path, "snapshot-1gb")
+        print(f"1 GB snapshot: first paint {first_paint:.2f} s, full timeline {full:.1f} s, slowest answer "
+              f"of the page {max(lags) * 1000:.0f} ms, of the server {max(server_lags) * 1000:.0f} ms")
+    finally:
+        big.unlink(missing_ok=True)
 
 
 def test_run_shows_losses(page, tmp_path):
@@ -226,14 +291,117 @@ def test_dcp_checkpoint_from_the_run_compare_and_load_dry_run(page):
     tab = _current_tab(page)
     tab.locator("tr.pw-clickable", has_text="model.tok_embeddings.weight").wait_for(timeout=20_000)
     assert "workbench" in tab.locator(".pw-summary").first.inner_text()  # the format
+    # Compare with… -> Browse…: the picker starts in the run directory (it cannot enter checkpoints/
+    # either); the checkpoints folder itself stands for its latest step, step 2.
     tab.locator("button.pw-action", has_text="Compare with").click()
-    _dialog(page, "run1/checkpoints/step-000002")
+    page.locator(".jp-Dialog button", has_text="Browse").click()
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    picker = page.locator(".jp-Dialog")
+    folder = picker.locator(".jp-DirListing-item[title^='Name: checkpoints']")
+    try:
+        folder.wait_for(timeout=5_000)
+    except PlaywrightTimeout:  # JupyterLab 4.0's picker ignores defaultPath and starts at the root
+        picker.locator(".jp-DirListing-item[title^='Name: run1']").dblclick()
+    folder.click()
+    page.locator(".jp-Dialog .jp-mod-accept", has_text="Select").click()
     verdict = _current_tab(page).locator(".pw-verdict")
     verdict.wait_for(timeout=30_000)
     assert verdict.inner_text() == "different"  # a training step apart
     page.get_by_role("tab", name="step-000001", exact=True).click()
     _current_tab(page).locator("button.pw-action", has_text="Will it load into").click()
-    _dialog(page, "dp_shard=2")
+    _dialog(page, "dp_shard=2")  # a typed answer is still accepted
     verdict = _current_tab(page).locator(".pw-verdict")
     verdict.wait_for(timeout=30_000)
     assert verdict.inner_text() == "loads into the target layout"
+    # ... or the layout of a picked plan (or run): the plan of dp_shard=2 x tp=2, 4 ranks
+    page.get_by_role("tab", name="step-000001", exact=True).click()
+    _current_tab(page).locator("button.pw-action", has_text="Will it load into").click()
+    page.locator(".jp-Dialog button", has_text="Browse").click()
+    picker = page.locator(".jp-Dialog")
+    picker.locator(".jp-BreadCrumbs-home").click()
+    picker.locator(".jp-DirListing-item[title^='Name: tiny.plan.json']").click()
+    page.locator(".jp-Dialog .jp-mod-accept", has_text="Select").click()
+    tab = _current_tab(page)
+    tab.locator(".pw-verdict").wait_for(timeout=30_000)
+    assert tab.locator(".pw-verdict").inner_text() == "loads into the target layout"
+    assert "dp_shard=2 x tp=2" in tab.inner_text() and "tiny.plan.json" in tab.inner_text()
+
+
+def test_checkpoints_folder_is_closed_to_the_file_browser_and_opens_in_workbench(page, lab_files):
+    """JupyterLab's file browser does not enter RUN_DIR/checkpoints (jupyter_server routes
+    /api/contents/<path>/checkpoints to its file-checkpoints API); the directory's Open in Workbench does."""
+    _cd(page, "run1")
+    page.locator(".jp-DirListing-item[title^='Name: checkpoints']").dblclick()
+    page.wait_for_timeout(1_000)
+    assert not page.locator(".jp-BreadCrumbs-item", has_text="checkpoints").count()
+    # what the browser got instead of the listing: run1's (empty) list of file checkpoints
+    assert lab_files[0].api("/api/contents/run1/checkpoints") == (200, [])
+    tab = _context_menu(page, "checkpoints", "Open in Workbench")
+    tab.locator("tr.pw-clickable", has_text="model.tok_embeddings.weight").wait_for(timeout=20_000)
+    assert tab.locator(".pw-summary td[data-key='step']").first.inner_text() == "2"  # the latest step
+    page.locator(".jp-BreadCrumbs-home").click()
+
+
+def test_pipeline_run_shows_its_timeline_and_checkpoints(page, lab_files, tmp_path):
+    from workbench.parallel.pipeline_bubble import bubble_fraction
+    from workbench.train.events import read_events
+
+    server, info = lab_files
+    tab = _context_menu(page, "pp2", "Open in Workbench")
+    bars = tab.locator(".pw-gantt g.pw-gantt-bar")
+    bars.first.wait_for(timeout=20_000)
+    rows = tab.locator(".pw-gantt .pw-gantt-row").evaluate_all("ts => ts.map(t => t.textContent)")
+    assert rows == ["stage 0 · rank 0", "stage 1 · rank 1"]
+    assert bars.count() == 2 * 4 * 2  # pp stages x microbatches x (F, B)
+    for row in (0, 1):  # each stage ran F and B of every microbatch once
+        labels = tab.locator(f".pw-gantt g.pw-gantt-bar[data-row='{row}']").evaluate_all(
+            "gs => gs.map(g => g.dataset.label)")
+        assert sorted(labels) == sorted(f"{ph}{mb}" for ph in "FB" for mb in range(4)), labels
+    # the step shown is the last one (1), not the warm-up step 0; its bubble from the run's own events
+    events = read_events(info["pp_run"].run_dir)
+    measured = bubble_fraction([e for e in events if e.get("type") == "schedule" and e["step"] == 1], skip_first=False)
+    note = tab.locator(".pw-bubble").inner_text()
+    assert f"1F1B, p=2, m=4: bubble measured {round(measured * 100)}% vs theory 20%" in note, note
+    assert "pipeline timeline, step 1" in tab.inner_text()
+    tab.locator(".pw-pipeline").scroll_into_view_if_needed()
+    _shot(page, tmp_path, "pipeline")
+    # its checkpoints, listed by the server from the directory: each opens the checkpoint browser
+    buttons = tab.locator(".pw-checkpoints button").all_inner_texts()
+    assert buttons == ["step 1", "step 2 (latest)"], buttons
+    tab.locator(".pw-checkpoints button", has_text="step 1").click()
+    ck = _current_tab(page)
+    ck.locator("tr.pw-clickable", has_text="tok_embeddings").first.wait_for(timeout=20_000)
+    assert "pp2/checkpoints/step-000001" in ck.inner_text()
+    status, body = server.api("/workbench/api/run/pipeline?path=pp2&step=0")
+    assert status == 200 and body["step"] == 0 and len(body["bars"]) == 16
+    assert server.api("/workbench/api/run/pipeline?path=run1")[0] == 404  # pp = 1: no timeline
+
+
+def _tab_titles(page) -> list[str]:
+    return sorted(t for t in page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab").all_inner_texts() if t != "Launcher")
+
+
+def test_tabs_come_back_after_a_reload(page, lab_files):
+    """ILayoutRestorer: the Workbench tabs open before a reload (documents and panels) are back, with content."""
+    server, _ = lab_files
+    page.locator(".lm-MenuBar-itemLabel", has_text="File").click()  # the earlier tests' tabs
+    page.locator(".lm-Menu-itemLabel", has_text="Close All Tabs").click()
+    page.locator(".jp-BreadCrumbs-home").click()
+    _open(page, "weights.safetensors").locator("tr.pw-clickable").first.wait_for(timeout=20_000)
+    _context_menu(page, "pp2", "Open in Workbench").locator(".pw-gantt").wait_for(timeout=20_000)
+    before = _tab_titles(page)
+    assert before == ["pp2", "weights.safetensors"], before
+    saved = '{"path":"pp2"}'
+    for _ in range(50):  # JupyterLab saves the workspace a moment after a change
+        if any(saved in k for k in server.api("/lab/api/workspaces/default")[1]["data"]):
+            break
+        page.wait_for_timeout(100)
+    t0 = time.monotonic()
+    page.reload()
+    page.get_by_role("tab", name="weights.safetensors", exact=True).click(timeout=30_000)
+    _current_tab(page).locator("tr.pw-clickable", has_text="model.embed.weight").wait_for(timeout=20_000)
+    page.get_by_role("tab", name="pp2", exact=True).click(timeout=10_000)
+    _current_tab(page).locator(".pw-gantt g.pw-gantt-bar").first.wait_for(timeout=20_000)
+    print(f"reload: the tabs back with content in {time.monotonic() - t0:.1f} s")
+    assert _tab_titles(page) == before

@@ -10,6 +10,7 @@ import pytest
 
 import workbench
 from helpers import wait_for as _wait_for  # tests/helpers.py
+from workbench.train.agent import FRESH_RANKS_ENV
 from workbench.train.events import read_events
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(120)]
@@ -27,7 +28,11 @@ def _no_ranks_left(run_dir) -> bool:
     return not alive
 
 
-def test_rank_that_raises_is_named_with_its_traceback(tmp_path):
+@pytest.mark.parametrize("start", ["forked", "fresh"])
+def test_rank_that_raises_is_named_with_its_traceback(tmp_path, monkeypatch, start):
+    # CPU ranks fork from the agent; CUDA ranks start as fresh interpreters, which the env var forces here.
+    if start == "fresh":
+        monkeypatch.setenv(FRESH_RANKS_ENV, "1")
     run = workbench.launch("tiny", nproc=2, tp=2, steps=50, out=tmp_path, fail_at={"rank": 1, "step": 2})
     t0 = time.monotonic()
     with pytest.raises(workbench.RunFailed) as info:

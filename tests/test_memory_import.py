@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from workbench.memory.profiler_trace import import_profiler_trace
-from workbench.memory.snapshot import (classify_frames, from_snapshot, identify_memory_file, import_snapshots,
-                                       write_synthetic_snapshot)
+from workbench.memory.snapshot import (ReadProgress, classify_frames, from_snapshot, identify_memory_file,
+                                       import_snapshots, write_synthetic_snapshot)
 from workbench.memory.timeline import MemoryTimeline
 
 SITE = "/usr/lib/python3/site-packages/torch"
@@ -319,6 +319,59 @@ def test_synthetic_snapshot_is_torchs_structure(tmp_path):
     assert {"forward", "backward", "optimizer"} <= phases
     assert {"activation", "gradient", "optimizer", "temporary", "communication"} <= set(
         tl.frame["category"].astype(str))
+
+
+def test_repeated_steps_are_torchs_framed_pickle_and_read_the_same(tmp_path):
+    """Beyond ``simulate_bytes`` the writer copies the last step as bytes (how a 1 GB test file takes
+    seconds): still a protocol-4 pickle whose frames end between opcodes (pickle's pure-Python reader
+    checks that), whose entries replay to the generator's truth, with times rising, read alike by us."""
+    path = tmp_path / "repeated.pickle"
+    info = write_synthetic_snapshot(path, 300_000, seed=2, n_frames=10, simulate_bytes=60_000)
+    data = path.read_bytes()
+    snap = pickle._loads(data)  # the Python unpickler: a frame cut inside an opcode fails here
+    ops = [op.name for op, _, _ in pickletools.genops(data)]
+    assert ops[0] == "PROTO" and ops.count("FRAME") > 4
+    (trace,) = snap["device_traces"]
+    assert len(trace) == info["entries"] and info["steps"] > 5
+    times = np.array([e["time_us"] for e in trace])
+    assert (np.diff(times) > 0).all()
+    total, peak, allocs = info["base_bytes"], info["base_bytes"], 0
+    live: set[int] = set()
+    for e in trace:
+        if e["action"] == "alloc":
+            assert e["addr"] not in live  # a copied step allocates only free addresses
+            live.add(e["addr"])
+            total += e["size"]
+            allocs += 1
+        elif e["action"] == "free_completed":
+            live.discard(e["addr"])
+            total -= e["size"]
+        peak = max(peak, total)
+    assert (peak, total, allocs) == (info["peak_bytes"], info["end_bytes"], info["allocations"])
+    tl = from_snapshot(path)
+    assert from_snapshot(snap).frame.equals(tl.frame)
+    assert tl.peak().bytes == info["peak_bytes"]
+
+
+def test_progress_callback_sees_the_rows_read(tmp_path):
+    """``progress=callback`` gets, as the file is read, each allocation and completed free once: their
+    running sum is the timeline's total minus its base (what a server draws before the read ends)."""
+    path = tmp_path / "snapshot_rank0.pickle"
+    write_synthetic_snapshot(path, 200_000, seed=4, n_frames=10)
+    seen: list[tuple[np.ndarray, np.ndarray]] = []
+    calls: list[tuple[int, int, int]] = []
+
+    def callback(rp: ReadProgress) -> None:
+        calls.append((rp.rank, rp.bytes_read, rp.bytes_total))
+        seen.extend(rp.new_events())
+
+    tl = import_snapshots(path, progress=callback)
+    assert calls[-1] == (0, path.stat().st_size, path.stat().st_size)
+    when = np.concatenate([w for w, _ in seen])
+    delta = np.concatenate([d for _, d in seen])
+    assert np.array_equal(delta, tl.frame["delta_bytes"].to_numpy())
+    assert np.array_equal(np.cumsum(delta) + tl.base_bytes[0], tl.frame["total_bytes"].to_numpy())
+    assert np.allclose((when - when[0]) * 1e-6, tl.frame["t"].to_numpy(), rtol=0, atol=1e-6)  # to the µs
 
 
 def _profile_a_step() -> torch.profiler.profile:

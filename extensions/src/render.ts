@@ -286,3 +286,82 @@ export function histogram(edges: number[], counts: number[], title = 'histogram'
   root.appendChild(ty);
   return box;
 }
+
+export interface IGanttBar {
+  row: number;
+  start: number;
+  end: number;
+  /** Colour index (a microbatch). */
+  group: number;
+  label: string;
+  /** Drawn lighter and hatched (a backward). */
+  light?: boolean;
+  tip?: string;
+}
+
+// The line charts' palette (style/index.css), inline here so the Gantt needs no stylesheet of its own.
+const PALETTE = ['#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b'];
+
+/** A Gantt chart: one row per label, one bar per interval, x in the bars' unit (ms). */
+export function gantt(rowLabels: string[], bars: IGanttBar[], options: { title?: string; xLabel?: string } = {}): HTMLElement {
+  const W = 720;
+  const rowH = 28;
+  const m = { l: 120, r: 16, t: 24, b: 36 };
+  const H = m.t + m.b + rowH * Math.max(1, rowLabels.length);
+  const box = el('div', 'pw-chart pw-gantt');
+  const root = svg('svg', { viewBox: `0 0 ${W} ${H}`, width: W, height: H });
+  box.appendChild(root);
+  if (options.title) {
+    const t = svg('text', { x: m.l, y: 16, class: 'pw-chart-title' });
+    t.textContent = options.title;
+    root.appendChild(t);
+  }
+  const x1 = Math.max(1e-9, ...bars.map(b => b.end));
+  const sx = (x: number) => m.l + (x / x1) * (W - m.l - m.r);
+  rowLabels.forEach((label, i) => {
+    const t = svg('text', { x: m.l - 6, y: m.t + rowH * i + rowH / 2 + 4, 'text-anchor': 'end', class: 'pw-tick pw-gantt-row' });
+    t.textContent = label;
+    root.appendChild(t);
+  });
+  root.appendChild(svg('line', { x1: m.l, y1: H - m.b, x2: W - m.r, y2: H - m.b, class: 'pw-axis' }));
+  for (let i = 0; i <= 4; i++) {
+    const xv = (x1 * i) / 4;
+    const tx = svg('text', { x: sx(xv), y: H - m.b + 14, 'text-anchor': 'middle', class: 'pw-tick' });
+    tx.textContent = String(Number(xv.toPrecision(3)));
+    root.appendChild(tx);
+  }
+  if (options.xLabel) {
+    const t = svg('text', { x: (W + m.l) / 2, y: H - 4, 'text-anchor': 'middle', class: 'pw-tick' });
+    t.textContent = options.xLabel;
+    root.appendChild(t);
+  }
+  for (const b of bars) {
+    const x = sx(b.start);
+    const w = Math.max(1, sx(b.end) - x);
+    const y = m.t + rowH * b.row + 3;
+    const g = svg('g', { class: 'pw-gantt-bar', 'data-row': b.row, 'data-label': b.label });
+    const r = svg('rect', {
+      x,
+      y,
+      width: w,
+      height: rowH - 6,
+      fill: PALETTE[b.group % PALETTE.length],
+      'fill-opacity': b.light ? 0.55 : 1,
+      stroke: 'white',
+      'stroke-width': 0.5
+    });
+    if (b.tip) {
+      const title = svg('title');
+      title.textContent = b.tip;
+      r.appendChild(title);
+    }
+    g.appendChild(r);
+    if (w > 18) {
+      const t = svg('text', { x: x + w / 2, y: y + rowH / 2 + 1, 'text-anchor': 'middle', 'font-size': 10, fill: 'white' });
+      t.textContent = b.label;
+      g.appendChild(t);
+    }
+    root.appendChild(g);
+  }
+  return box;
+}

@@ -1,7 +1,7 @@
 // The views inside a Workbench tab. Each asks the server extension for one slice at a time and
 // renders it with plain DOM/SVG; none holds checkpoint, memory, run or plan logic of its own.
 import { Json, WorkbenchError, errorText, requestAPI } from './api';
-import { ISeries, asRecords, el, formatBytes, formatValue, histogram, jsonView, lineChart, table } from './render';
+import { ISeries, asRecords, el, formatBytes, formatValue, gantt, histogram, jsonView, lineChart, table } from './render';
 
 export type Kind = 'checkpoint' | 'memory' | 'run' | 'plan';
 
@@ -199,13 +199,26 @@ export class CheckpointView {
 export class MemoryView {
   constructor(readonly host: HTMLElement, readonly path: string, readonly info: Json) {}
 
+  /** While a large snapshot is read (in the server's background), each answer says how far it is and
+   * shows the part read so far; the full timeline replaces it. */
   async render(window?: [number, number]): Promise<void> {
     if (!this.host.childElementCount) {
       this.host.appendChild(el('div', 'pw-note', 'reading the snapshot and downsampling…'));
     }
     let tl: Json;
     try {
-      tl = await requestAPI('memory/timeline', { path: this.path, t0: window?.[0], t1: window?.[1], points: 1000 });
+      let wait = 300; // the first answer comes quickly, so the progress shows from the start
+      for (;;) {
+        tl = await requestAPI('memory/timeline', { path: this.path, t0: window?.[0], t1: window?.[1], points: 1000, wait });
+        if (tl.complete !== false) {
+          break;
+        }
+        if (!this.host.isConnected) {
+          return; // the tab was closed
+        }
+        this.drawProgress(tl.progress ?? {});
+        wait = 1000;
+      }
     } catch (err) {
       showError(this.host, err);
       return;
@@ -241,7 +254,7 @@ export class MemoryView {
       el('span', 'pw-note', `window ${shown.map((x: number) => Number(x).toPrecision(5)).join(' – ')} s; drag across the plot to zoom`)
     );
     this.host.replaceChildren(
-      summaryTable(tl, ['path', 'window', 'points']),
+      summaryTable(tl, ['path', 'window', 'points', 'complete']),
       table(peaks),
       bar,
       lineChart(series, {
@@ -260,6 +273,42 @@ export class MemoryView {
       }
     }
   }
+
+  /** The progress bar and the line of the part read: what the server has read is real data, labelled
+   * as partial (no base, no categories, no peak until the whole file is read). */
+  private drawProgress(pr: Json): void {
+    const fraction = typeof pr.fraction === 'number' ? pr.fraction : 0;
+    const pct = `${Math.floor(fraction * 100)}%`;
+    const stage =
+      pr.stage === 'reading'
+        ? `${pct} read (${formatBytes(Number(pr.bytes_read ?? 0))} of ${formatBytes(Number(pr.bytes_total ?? 0))})`
+        : `${pct} read; ${pr.stage ?? 'finishing'}…`;
+    const bar = el('progress', 'pw-progress') as HTMLProgressElement;
+    bar.max = 1;
+    bar.value = fraction;
+    const ranks: Json[] = (pr.per_rank ?? []).filter((r: Json) => !r.several_devices);
+    const series: ISeries[] = ranks.map(r => ({
+      name: `rank ${r.rank}: allocated − freed since the trace's first event`,
+      x: (r.t ?? []).map(Number),
+      y: (r.delta_bytes ?? []).map(Number)
+    }));
+    const box = el('div', 'pw-partial');
+    box.append(
+      el('div', 'pw-note pw-progress-label', `reading the snapshot: ${stage}, ${Number(pr.elapsed_s ?? 0).toFixed(1)} s`),
+      bar
+    );
+    if (series.some(x => x.x.length)) {
+      box.append(
+        table(ranks.map(r => ({ rank: r.rank, events_read: r.events_read, max_delta_bytes: r.max_delta_bytes }))),
+        lineChart(series, {
+          title: `partial: the first ${pct} of the file (no base bytes or categories until it is all read)`,
+          xLabel: 't (s)',
+          yFormat: formatBytes
+        })
+      );
+    }
+    this.host.replaceChildren(box);
+  }
 }
 
 // ---------------------------------------------------------------- run replay
@@ -268,6 +317,7 @@ export class RunView {
   constructor(readonly host: HTMLElement, readonly path: string, readonly info: Json) {}
 
   private since = 0;
+  private pipelineStep: number | undefined;
   private lastSteps: Json[] = [];
   private errors: Json[] = [];
   private timer: number | undefined;
@@ -314,23 +364,79 @@ export class RunView {
       this.host.appendChild(el('div', 'pw-error', `rank ${e.rank}: ${lines[lines.length - 1]}`));
     }
     // JupyterLab's file browser cannot enter a folder named "checkpoints" (jupyter_server routes
-    // /api/contents/<path>/checkpoints to its own checkpoints API), so the run view opens them.
-    const ckpts: Json[] = r.summary?.checkpoints ?? [];
-    if (typeof this.info.checkpoints === 'string') {
+    // /api/contents/<path>/checkpoints to its own checkpoints API), so the run view opens them: the server
+    // lists the step directories on disk and those the run's checkpoint events name.
+    const ckpts: Json[] = Array.isArray(r.checkpoints) ? r.checkpoints : [];
+    if (ckpts.length) {
       const row = el('div', 'pw-toolbar pw-checkpoints');
       row.appendChild(el('span', 'pw-note', 'checkpoints:'));
-      row.appendChild(commandButton('latest', 'parallel-workbench:open', this.info.checkpoints));
-      for (const step of ckpts) {
-        const path = `${this.info.checkpoints}/step-${String(step).padStart(6, '0')}`;
-        row.appendChild(commandButton(`step ${step}`, 'parallel-workbench:open', path));
+      for (const c of ckpts) {
+        const label = c.step === null || c.step === undefined ? String(c.path).split('/').pop() ?? '' : `step ${c.step}`;
+        const b = commandButton(c.latest ? `${label} (latest)` : label, 'parallel-workbench:open', String(c.path));
+        b.title = String(c.path);
+        row.appendChild(b);
       }
       this.host.appendChild(row);
     }
     this.host.append(
       lineChart(per('loss'), { title: 'loss', xLabel: 'step' }),
-      lineChart(per('tokens_per_s'), { title: 'throughput (tokens/s)', xLabel: 'step' }),
+      lineChart(per('tokens_per_s'), { title: 'throughput (tokens/s)', xLabel: 'step' })
+    );
+    if (r.summary?.pipeline) {
+      const box = el('div', 'pw-pipeline', 'reading the pipeline schedule…');
+      this.host.appendChild(box);
+      void this.drawPipeline(box, this.pipelineStep);
+    }
+    this.host.append(
       el('h4', undefined, 'last steps'),
       table(this.lastSteps, ['rank', 'step', 'loss', 'tokens_per_s', 'step_time_s', 'mem_bytes'])
+    );
+  }
+
+  /** One pipeline step as stage rows of forward (F) and backward (B) bars, coloured by microbatch, with
+   * the measured bubble against the theory; a step picker for the other complete steps. */
+  private async drawPipeline(box: HTMLElement, step?: number): Promise<void> {
+    let p: Json;
+    try {
+      p = await requestAPI('run/pipeline', { path: this.path, step });
+    } catch (err) {
+      box.replaceChildren(el('h4', undefined, 'pipeline timeline'), el('div', 'pw-note', errorText(err)));
+      return;
+    }
+    const rows: Json[] = p.rows ?? [];
+    const index = new Map(rows.map((r, i) => [`${r.stage}/${r.rank}`, i]));
+    const bars = (p.bars ?? []).map((b: Json) => ({
+      row: index.get(`${b.stage}/${b.rank}`) ?? 0,
+      start: Number(b.start_ms),
+      end: Number(b.end_ms),
+      group: Number(b.microbatch),
+      label: `${b.phase}${b.microbatch}`,
+      light: b.phase === 'B',
+      tip: `stage ${b.stage} (rank ${b.rank}), microbatch ${b.microbatch} ${b.phase}: ` +
+        `${(Number(b.end_ms) - Number(b.start_ms)).toFixed(2)} ms from ${Number(b.start_ms).toFixed(2)} ms`
+    }));
+    const pct = (x: Json) => `${Math.round(Number(x) * 100)}%`;
+    const bar = el('div', 'pw-toolbar');
+    const pick = el('select', 'pw-pipeline-step');
+    for (const s of p.steps ?? []) {
+      const o = el('option', undefined, `step ${s}`);
+      o.value = String(s);
+      o.selected = s === p.step;
+      pick.appendChild(o);
+    }
+    pick.addEventListener('change', () => {
+      this.pipelineStep = Number(pick.value); // kept while a live run refreshes
+      void this.drawPipeline(box, this.pipelineStep);
+    });
+    const shape = p.stages_per_rank > 1 ? `p=${p.pp}, m=${p.microbatches}, v=${p.stages_per_rank}` : `p=${p.pp}, m=${p.microbatches}`;
+    bar.append(
+      pick,
+      el('span', 'pw-note pw-bubble', `${p.schedule ?? 'pipeline'}, ${shape}: bubble measured ${pct(p.bubble_measured)} vs theory ${pct(p.bubble_theory)}; F solid, B light; colour = microbatch`)
+    );
+    box.replaceChildren(
+      el('h4', undefined, `pipeline timeline, step ${p.step}`),
+      bar,
+      gantt(rows.map(r => `stage ${r.stage} · rank ${r.rank}`), bars, { xLabel: "ms from the step's first forward" })
     );
   }
 }

@@ -9,8 +9,11 @@ CONTRACT (shared by the writers here and the tools that read checkpoints):
 
       {"format": "workbench-checkpoint", "version": 1, "step": int, "consumed_samples": int,
        "world_size": int, "layout": ParallelConfig dict, "job": JobConfig dict (model/parallel/train),
-       "kinds": [...], "files": {relative_name: {"bytes": int, "sha256": hex}}, "created": iso time,
-       "ema": bool, "master_weights": str}
+       "kinds": [...], "checksum": "xxh3_128", "files": {relative_name: {"bytes": int, "xxh3_128": hex}},
+       "created": iso time, "ema": bool, "master_weights": str}
+
+  Checksums are taken while the files are written; checkpoints saved before that list
+  ``{"bytes": int, "sha256": hex}`` per file (no "checksum" key), and still load and verify.
 
 * DCP keys (nested state dict, flattened with dots):
   ``model.<fqn>`` (full-model FQNs under every layout, pipeline stages included),

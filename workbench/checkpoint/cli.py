@@ -84,12 +84,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print()
     rows = frame if args.all else frame.head(args.limit)
     width = max([len(k) for k in rows["key"]] + [3])
-    print(f"{'key':<{width}}  {'kind':<9} {'dtype':<9} {'shape':<16} {'bytes':>10}  shards")
+    dw = max([len(d) for d in rows["dtype"]] + [9])  # float8_e8m0fnu is 14 wide
+    print(f"{'key':<{width}}  {'kind':<9} {'dtype':<{dw}} {'shape':<16} {'bytes':>10}  shards")
     for r in rows.itertuples(index=False):
         shape = "-" if r.shape is None else "x".join(map(str, r.shape)) or "()"
         ranks = sorted({s["rank"] for s in r.shards if s.get("rank") is not None})
         where = f"{len(r.shards)} (ranks {','.join(map(str, ranks))})" if ranks else str(len(r.shards))
-        print(f"{r.key:<{width}}  {r.kind:<9} {r.dtype:<9} {shape:<16} {r.bytes:>10}  {where}")
+        print(f"{r.key:<{width}}  {r.kind:<9} {r.dtype:<{dw}} {shape:<16} {r.bytes:>10}  {where}")
     if len(rows) < len(frame):
         print(f"... {len(frame) - len(rows)} more (--all, --filter, --kind)")
     return 0

@@ -119,9 +119,15 @@ def _value_change(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
         equal = bool(torch.equal(a, b))
         d = (a.long() - b.long()).abs() if a.numel() else torch.zeros(1)
         return {"max_abs": float(d.max()) if d.numel() else 0.0, "rel_norm": 0.0 if equal else 1.0, "equal": equal}
+    # in fp32 (float8 has no arithmetic kernels; fp32 holds every 8/16-bit float exactly). A NaN in the same
+    # place of both is no change: FP8 checkpoints carry them (e4m3fn's only non-finite value).
     a32, b32 = a.float(), b.float()
-    d = a32 - b32
+    d = (a32 - b32).masked_fill(a32.isnan() & b32.isnan(), 0.0)
     max_abs = float(d.abs().max()) if d.numel() else 0.0
-    na = float(a32.norm()) if a32.numel() else 0.0
+    na = float(a32[a32.isfinite()].norm()) if a32.numel() else 0.0
     rel = float(d.norm()) / max(na, 1e-12) if d.numel() else 0.0
-    return {"max_abs": max_abs, "rel_norm": rel, "equal": bool(torch.equal(a, b)) if a.dtype == b.dtype else max_abs == 0.0}
+    if a.dtype == b.dtype:  # bit for bit, so that identical NaNs compare equal
+        equal = bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+    else:
+        equal = max_abs == 0.0
+    return {"max_abs": max_abs, "rel_norm": rel, "equal": equal}

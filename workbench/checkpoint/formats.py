@@ -166,13 +166,12 @@ class TensorSource:
         if m.format in ("dcp", "workbench"):
             return self._read_dcp(stored, row)
         if m.format in ("hf", "safetensors"):
-            from safetensors import safe_open
-
-            rel = row["shards"][0]["file"]
-            f = m.path / rel if m.path.is_dir() else m.path
-            if rel not in self._handles:
-                self._handles[rel] = safe_open(str(f), framework="pt", device="cpu")
-            return self._handles[rel].get_tensor(stored)
+            shard = row["shards"][0]
+            f = m.path / shard["file"] if m.path.is_dir() else m.path
+            if shard["file"] not in self._handles:
+                self._handles[shard["file"]] = open(f, "rb")
+            data = _pread_exact(self._handles[shard["file"]], shard["byte_offset"], shard["byte_length"], f)
+            return data.view(getattr(torch, row["dtype"])).reshape(row["shape"])
         if self._torch is None:
             self._torch = read_torch_file(m.path)
         return self._torch[stored]
@@ -215,6 +214,24 @@ class TensorSource:
             except Exception:
                 return f
         return self.manifest.path
+
+
+def _pread_exact(fh, offset: int, length: int, path: Path) -> torch.Tensor:
+    """``length`` bytes of an open file from ``offset``, as a fresh uint8 tensor.
+
+    safetensors tensors are read this way, by the offsets of the (already checked) header, rather than
+    through the safetensors library, so every dtype torch has reads, whatever that library's version knows
+    (older ones raise KeyError on F8_E8M0).
+    """
+    out = torch.empty(length, dtype=torch.uint8)
+    view, done = memoryview(out.numpy()), 0
+    while done < length:
+        n = os.preadv(fh.fileno(), [view[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointFormatError(path, f"ends inside a tensor (byte {offset + done} of {offset + length} "
+                                        "needed)", "the file is truncated; re-export or re-download it")
+        done += n
+    return out
 
 
 def model_config_of(m: CheckpointManifest):

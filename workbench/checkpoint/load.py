@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from workbench.checkpoint.safeload import SafeFileSystemReader, read_dcp_metadata
 from workbench.checkpoint.state import TrainState
-from workbench.checkpoint.store import MANIFEST, read_manifest, resolve_checkpoint
+from workbench.checkpoint.store import MANIFEST, BackgroundVerify, read_manifest, resolve_checkpoint
 
 __all__ = ["load", "LoadResult", "read_metadata", "checkpoint_shapes", "check_model_fits", "check_resume"]
 
@@ -134,11 +134,14 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     complete checkpoint). Every rank of ``process_group`` calls this. ``model`` may be a whole model,
     a parallelized one, or a pipeline rank's ``nn.ModuleList`` of stages. ``optimizer`` (and
     ``scheduler``, ``ema``, ``rng``) restore the rest of the train state. ``verify``: check every file's
-    sha256 against the manifest first (rank 0; a mismatch is refused). Returns a :class:`LoadResult`.
+    checksum against the manifest (rank 0, on a thread, while every rank reads). A mismatch is refused
+    before the optimizer, scheduler and RNG take the values; a run or checkpoints directory then falls back
+    to its newest intact step and loads that. Returns a :class:`LoadResult`.
     """
     group = _group(process_group)
-    ckpt = _resolve_everywhere(path, group, verify)
+    ckpt = _resolve_everywhere(path, group, verify=False)  # sizes now; checksums overlap the read below
     rank = dist.get_rank(group) if group is not None else 0
+    checker = BackgroundVerify(ckpt) if verify and rank == 0 and (ckpt / MANIFEST).exists() else None
     state = TrainState(model, optimizer, scheduler, ema, rank=rank)
     targets = state.load_targets(optimizer=optimizer is not None, rng=rng)
     metadata = read_metadata(ckpt)
@@ -162,6 +165,15 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load(targets, storage_reader=reader, process_group=group, no_dist=group is None)
+    damaged: list[Any] = [checker.result() if checker is not None else None]
+    if group is not None and dist.get_world_size(group) > 1 and verify:
+        dist.broadcast_object_list(damaged, src=dist.get_global_rank(group, 0), group=group)
+    if damaged[0] is not None:
+        # The named step directory: refused, naming the file. A run dir: its newest intact step (every file
+        # hashed before this second load, as it is only read after a damaged one).
+        intact = _resolve_everywhere(path, group, verify=True)
+        return load(intact, model, optimizer, scheduler=scheduler, ema=ema, rng=rng, process_group=process_group,
+                    verify=False)
     targets.setdefault("extra", {})
     state.apply_loaded(targets)
     if ema is not None and any(k.startswith("ema.") for k in skipped):
@@ -184,7 +196,7 @@ def check_resume(resume: str, ckpt_root: str | Path, model_cfg) -> Path:
     """
     from workbench.models import build_model
 
-    # Sizes only: rank 0 verifies every sha256 when it loads (and falls back past a damaged latest).
+    # Sizes only: rank 0 verifies every checksum when it loads (and falls back past a damaged latest).
     ckpt = resolve_checkpoint(ckpt_root if resume == "latest" else resume, verify_checksums=False)
     meta = build_model(model_cfg, seed=None, device="meta")
     check_model_fits(ckpt, meta.state_dict())

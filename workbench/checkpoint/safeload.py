@@ -87,6 +87,9 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
+        if module == "torch" and name.startswith(("float", "int", "uint", "bfloat", "complex", "bits")):
+            raise CheckpointFormatError(self.source, f"the checkpoint holds torch.{name} tensors, a dtype "
+                                        f"torch {torch.__version__} does not have", "read it with a newer torch")
         raise CheckpointFormatError(self.source, f"refusing to unpickle {module}.{name}: not DCP metadata",
                                     "this file is not a torch.distributed.checkpoint .metadata (or was tampered "
                                     "with); do not load it, re-save the checkpoint")
@@ -146,12 +149,17 @@ class SafeFileSystemReader(FileSystemReader):
 # safetensors
 # --------------------------------------------------------------------------------------------------
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+# safetensors dtype code -> torch dtype name. The FP8 formats (e4m3fn: weights and activations; e5m2:
+# gradients; e8m0fnu: power-of-two block scales of MX formats) are looked up by name, so a torch that
+# lacks one still reads every other file and refuses only the tensors of that dtype, by name.
+_SAFETENSORS_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64",
 }
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {code: getattr(torch, name) for code, name in _SAFETENSORS_NAMES.items()
+                                              if isinstance(getattr(torch, name, None), torch.dtype)}
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
 
@@ -187,6 +195,13 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, Any], in
     for key, entry in header.items():
         if key == "__metadata__":
             continue
+        code = entry.get("dtype") if isinstance(entry, dict) else None
+        if isinstance(code, str) and code not in SAFETENSORS_DTYPES:
+            known = code in _SAFETENSORS_NAMES
+            raise CheckpointFormatError(p, f"tensor {key!r} has dtype {code!r}, which " + (
+                f"torch {torch.__version__} cannot hold (no torch.{_SAFETENSORS_NAMES[code]})" if known else
+                "is not a safetensors dtype"), "upgrade torch" if known else
+                f"re-export it in one of {sorted(SAFETENSORS_DTYPES)}")
         try:
             dtype = SAFETENSORS_DTYPES[entry["dtype"]]
             shape = [int(s) for s in entry["shape"]]

@@ -23,12 +23,14 @@ same sharding as ``w`` (each rank updates its own shard; no communication). Save
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import threading
 import time
 import traceback
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,12 +38,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
 from workbench.checkpoint.state import TrainState
-from workbench.checkpoint.store import FORMAT, VERSION, CheckpointStore, file_digest
+from workbench.checkpoint.store import CHECKSUM, FORMAT, VERSION, CheckpointStore, file_digest, new_hash
 
-__all__ = ["EMA", "Checkpointer", "CheckpointError", "HostBuffers", "save", "manifest_base"]
+__all__ = ["EMA", "Checkpointer", "CheckpointError", "HostBuffers", "HashingFileSystem", "save", "manifest_base"]
 
 
 class CheckpointError(RuntimeError):
@@ -149,12 +152,91 @@ def _check_tensors(sd: dict[str, Any], prefix: str = "") -> None:
             raise TypeError(f"checkpoint state {prefix}{k!r} is a {type(v).__name__}, not a tensor")
 
 
+# -- checksums while writing ---------------------------------------------------------------------
+
+
+class _HashingStream(io.RawIOBase):
+    """A write stream that feeds every byte written to a hash on its way to the file.
+
+    DCP writes a shard front to back (``torch.save`` into the stream, or raw bytes); a seek would break
+    the correspondence of hashed and stored bytes, so it marks the digest unusable (the file is then
+    hashed from disk instead).
+    """
+
+    def __init__(self, raw: io.IOBase):
+        super().__init__()
+        self.raw, self.hash, self.n, self.sequential = raw, new_hash(), 0, True
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        n = self.raw.write(view)
+        n = len(view) if n is None else n
+        self.hash.update(view[:n])
+        self.n += n
+        return n
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        pos = self.raw.seek(offset, whence)
+        self.sequential = self.sequential and pos == self.n
+        return pos
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()  # flushes (through self.flush) while the file is still open
+            self.raw.close()
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local filesystem, hashing each file as it is written: ``digests[name] = (bytes, hex)``.
+
+    Set it as a ``FileSystemWriter``'s ``fs``. Renames (DCP writes ``.metadata.tmp`` then renames it) carry
+    the digest along. A file written out of order gets no digest.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            stream = _HashingStream(raw)
+            yield stream
+            if stream.sequential:
+                with self._lock:
+                    self.digests[Path(path).name] = (stream.n, stream.hash.hexdigest())
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if Path(path).name in self.digests:
+                self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
+
+
 # -- one save --------------------------------------------------------------------------------------
 
 
 def _write_and_publish(sd: dict[str, Any], store: CheckpointStore, step: int, nonce: str, manifest: dict,
                        rank: int, world: int, group, keep: int | None, keep_every: int) -> dict[str, Any]:
-    """DCP-write ``sd`` into the step's tmp dir (fsynced), hash this rank's files, and publish (rank 0).
+    """DCP-write ``sd`` into the step's tmp dir (fsynced), hashing this rank's files as they are written,
+    and publish (rank 0).
 
     Runs on every rank (in the writer thread for async saves). Returns what rank 0 publishes.
     """
@@ -165,13 +247,20 @@ def _write_and_publish(sd: dict[str, Any], store: CheckpointStore, step: int, no
     tmp.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
-                 no_dist=group is None)
+        writer = FileSystemWriter(tmp, sync_files=True)
+        writer.fs = HashingFileSystem()
+        dcp.save(sd, storage_writer=writer, process_group=group, no_dist=group is None)
     mine = sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{rank}_"))
     if rank == 0:
         mine.append(".metadata")
-    # DCP's sync_files=True has fsynced every shard and .metadata; here each rank hashes its own files.
-    files = {name: dict(zip(("bytes", "sha256"), file_digest(tmp / name))) for name in mine}
+    # DCP's sync_files=True has fsynced every shard and .metadata; each rank lists its own files' digests,
+    # taken while writing. A file with none (written out of order), or whose size disagrees, is read back.
+    files = {}
+    for name in mine:
+        got = writer.fs.digests.get(name)
+        if got is None or got[0] != (tmp / name).stat().st_size:
+            got = file_digest(tmp / name, algo=CHECKSUM)
+        files[name] = {"bytes": got[0], CHECKSUM: got[1]}
     if group is not None and world > 1:
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(files, gathered, dst=0, group=group)
@@ -179,7 +268,7 @@ def _write_and_publish(sd: dict[str, Any], store: CheckpointStore, step: int, no
             files = {k: v for part in gathered for k, v in part.items()}
     if rank != 0:
         return {}
-    doc = dict(manifest, step=step, files=dict(sorted(files.items())),
+    doc = dict(manifest, step=step, checksum=CHECKSUM, files=dict(sorted(files.items())),
                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     final = store.publish(tmp, step, doc)
     removed = store.rotate(keep, keep_every)

@@ -5,7 +5,11 @@
     >>> s["mean"], s["std"], s["histogram"]["counts"][:3]
 
 Only that tensor is read (one DCP chunk set, one safetensors slice), so a 70B checkpoint answers as fast
-as a tiny one. Statistics are over the finite values, in float64; ``non_finite`` counts the rest.
+as a tiny one. Statistics are over the finite values; ``non_finite`` counts the rest.
+
+Any dtype works, FP8 included (``float8_e4m3fn``, ``float8_e5m2``, ``float8_e8m0fnu``): most torch ops and
+``.numpy()`` have no float8 kernels, so values are upcast to fp32 first (exact for every 8- and 16-bit
+float) and summed in float64.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def tensor_stats(src: "str | os.PathLike | CheckpointManifest | TensorSource", k
     """
     source = open_source(src)
     t = source.get(_canonical_key(source, key)).detach()
-    x = t.to(torch.float64)
+    x = (t.float() if t.is_floating_point() else t).to(torch.float64)
     finite = x[torch.isfinite(x)]
     n = finite.numel()
     stats: dict[str, Any] = {

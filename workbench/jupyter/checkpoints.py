@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.jupyter.files import (FileCache, Refused, first_line, inside, json_safe, parse_bool, parse_int,
-                                     parse_scalar, relative, resolve, stamp)
+                                     parse_scalar, read_json, relative, resolve, stamp)
 
 __all__ = ["manifest_of", "manifest_page", "tensor_answer", "verify_answer", "diff_answer", "plan_load_answer"]
 
@@ -181,7 +181,26 @@ def diff_answer(root: Path, a: Path, b: Path, values: bool = True, top: int = 20
     return d
 
 
-_PLAN_LOAD_KEYS = ("to", "model", "nproc", "full_state", "dtype")
+_PLAN_LOAD_KEYS = ("to", "model", "nproc", "full_state", "dtype", "like")
+
+
+def _target_of(root: Path, like: str) -> tuple[dict, dict | None]:
+    """``(parallel, model)`` of what ``like`` names: a run directory or the config.json workbench.launch
+    writes (its layout and model), or a plan JSON (``workbench plan --json``: its layout, and its model if
+    recorded)."""
+    p = resolve(root, like, "like")
+    f = p / "config.json" if p.is_dir() else p
+    rel = relative(root, p)
+    if not f.is_file() or f.suffix != ".json":
+        raise Refused(422, f"{rel}: not a run directory, config.json or plan JSON; pick a run directory "
+                      "(workbench.launch / workbench train) or a plan written by `workbench plan --json`")
+    doc = read_json(f)
+    parallel = doc.get("parallel") if isinstance(doc, dict) else None
+    if not isinstance(parallel, dict):
+        raise Refused(422, f"{relative(root, f)}: has no 'parallel' layout; pick a run directory, its config.json "
+                      "or a plan written by `workbench plan --json`")
+    model = doc.get("model")
+    return parallel, model if isinstance(model, dict) else None
 
 
 def plan_load_answer(root: Path, p: Path, args: dict[str, str]) -> dict[str, Any]:
@@ -202,12 +221,21 @@ def plan_load_answer(root: Path, p: Path, args: dict[str, str]) -> dict[str, Any
     # A bare number as a name is a browser's cache-buster (JupyterLab's requests add one), not a setting.
     layout = {k: parse_scalar(v) for k, v in args.items()
               if k not in _PLAN_LOAD_KEYS and k != "path" and not k.isdigit()}
+    to: Any = args.get("to") or None
+    if args.get("like"):  # the layout (and model) of a run or a plan the user picked
+        if to is not None:
+            raise Refused(400, "both ?to= and ?like= given; pass one: a layout, or a run directory or plan JSON")
+        to, like_model = _target_of(root, args["like"])
+        if model is None and like_model is not None:
+            model = like_model
     try:
-        plan = plan_load(m, to=args.get("to") or None, model=model, **kw, **layout)
+        plan = plan_load(m, to=to, model=model, **kw, **layout)
     except (ValueError, TypeError, KeyError) as e:
         raise Refused(400, json_safe(first_line(e), root)) from None
     d = plan.to_dict()
     d["src"] = relative(root, m.path)
+    if args.get("like"):
+        d["like"] = args["like"]
     d["n_unexpected"] = len(d["unexpected"])
     d["unexpected"] = d["unexpected"][:200]
     d["n_missing"] = len(d["missing"])

@@ -48,22 +48,35 @@ only that tensor is read, statistics over the finite values)::
      "n_added", "n_removed", "n_changed", "n_compared", "n_equal",
      "top_changes": [{"key", "kind", "max_abs", "rel_norm", "equal"}]}
 
-``GET checkpoint/plan-load?path=&to=dp_shard=2,tp=2&model=&nproc=&full_state=&dtype=&<field>=<value>...``
+``GET checkpoint/plan-load?path=&to=dp_shard=2,tp=2&like=&model=&nproc=&full_state=&dtype=&<field>=<value>...``
 (any other argument is a layout setting: ``tp=2``, ``pp=2``, ``dp_shard=4`` ...; ``model``: a preset or a
-config.json under the root; default the checkpoint's own) -> ``LoadPlan.to_dict()``::
+config.json under the root; default the checkpoint's own; ``like``, instead of ``to``: a run directory,
+its config.json or a plan JSON under the root, whose layout, and model if recorded, is the target)
+-> ``LoadPlan.to_dict()``::
 
-    {"src", "model", "target", "target_description", "world_size", "source_layout", "source_world_size",
-     "loadable", "reasons": [one line each], "layout_error", "missing" (first 200), "n_missing",
+    {"src", "like" (if given), "model", "target", "target_description", "world_size", "source_layout",
+     "source_world_size", "loadable", "reasons": [one line each], "layout_error", "missing" (first 200), "n_missing",
      "unexpected" (first 200), "n_unexpected", "reshaped": [{key, checkpoint_shape, target_shape}],
      "dtype_changes", "notes", "checked", "bytes_to_read"}
 
-``GET memory/timeline?path=&t0=&t1=&points=2000&rank=`` (seconds; default the whole trace; at most
-``points`` points per rank, <= 20000: the min and max of equal-count bins, plus one point before t0 so
-the line starts at the right level; ``rank``: comma-separated, default all). Parsed once per (path,
-mtime, size)::
+``GET memory/timeline?path=&t0=&t1=&points=2000&rank=&wait=10000`` (seconds; default the whole trace; at
+most ``points`` points per rank, <= 20000: the min and max of equal-count bins, plus one point before t0
+so the line starts at the right level; ``rank``: comma-separated, default all). Parsed once per (path,
+mtime, size), in a background thread that ``open`` starts, and cached on disk (``timelines.cache_dir()``).
+While it is still being read after ``wait`` milliseconds (0..60000), the answer is at once::
 
-    {"path", "source", "device", "ranks", "categories": [8 names], "t_range": [t_min, t_max], "window": [t0, t1],
-     "points", "steps",
+    {"path", "complete": false,
+     "progress": {"stage": "reading" | "labelling" | "summarizing", "bytes_read", "bytes_total", "fraction",
+                  "elapsed_s",
+                  "per_rank": [{"rank", "events_read", "several_devices" (then no line is drawn),
+                                "t": [...], "delta_bytes": [...] (allocated minus freed bytes since the trace's
+                                first event, of the part read: no base, no categories yet),
+                                "max_delta_bytes"}]}}
+
+and once read::
+
+    {"path", "complete": true, "parse": {"seconds", "cached"}, "source", "device", "ranks",
+     "categories": [8 names], "t_range": [t_min, t_max], "window": [t0, t1], "points", "steps",
      "per_rank": [{"rank", "base_bytes", "events", "events_in_window",
                    "t": [...], "total_bytes": [...], "categories": {category: [...]} (those non-zero),
                    "peak": {"bytes", "t", "step", "phase", "microbatch", "by_category": {...},
@@ -88,7 +101,20 @@ returned, not what is counted; ``points`` > 0 adds per-rank step series downsamp
      "events": [event objects: type, rank, time, ...], "status": "running" | "succeeded" | "failed" | "stopped",
      "summary": {"status", "model", "layout", "steps_planned", "steps_logged", "first_loss", "final_loss",
                  "last_step", "peak_mem_bytes", "ranks", "checkpoints": [steps], "error": {rank, message}},
-     "series": {rank: {"step": [...], "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr"}}}
+     "series": {rank: {"step": [...], "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr"}},
+     "checkpoints": [{"step", "path", "latest"}] (the step-* directories of RUN_DIR/checkpoints and those its
+                    checkpoint events name, under the root: the way in, since JupyterLab's file browser
+                    cannot enter a folder named "checkpoints")}
+    (a pipeline run's summary also has "pipeline": {"schedule", "microbatches"})
+
+``GET run/pipeline?path=&step=`` (default: the last step every pipeline rank reported, not the warm-up
+step 0 unless it is the only one; 404 for a run with no ``schedule`` events, i.e. pp = 1) -> one step's
+measured schedule, from ``workbench.parallel.pipeline_bubble``::
+
+    {"path", "step", "steps": [complete steps], "schedule", "pp", "microbatches", "stages_per_rank",
+     "bubble_measured", "bubble_theory", "rows": [{"stage", "rank"}], "span_ms",
+     "bars": [{"stage", "rank", "microbatch", "phase": "F" | "B", "start_ms", "end_ms"}] (ms from the
+             step's first forward)}
 """
 
 from __future__ import annotations
@@ -211,7 +237,8 @@ def _timeline(h: _WorkbenchHandler) -> dict[str, Any]:
     ranks = h.list_arg("rank")
     return timelines.timeline_window(h.root, h.path(), h.float_arg("t0"), h.float_arg("t1"),
                                      points=h.int_arg("points", 2000, 4, files.MAX_POINTS),
-                                     ranks=None if ranks is None else [files.parse_int(r, "rank", 0) for r in ranks])
+                                     ranks=None if ranks is None else [files.parse_int(r, "rank", 0) for r in ranks],
+                                     wait=h.int_arg("wait", 10_000, 0, 60_000) / 1000)
 
 
 def _plan(h: _WorkbenchHandler) -> dict[str, Any]:
@@ -225,6 +252,11 @@ def _events(h: _WorkbenchHandler) -> dict[str, Any]:
                            points=h.int_arg("points", 0, 0, files.MAX_POINTS))
 
 
+def _pipeline(h: _WorkbenchHandler) -> dict[str, Any]:
+    step = h.get_argument("step", None)
+    return runs.run_pipeline(h.root, h.path(), None if step in (None, "") else files.parse_int(step, "step", 0))
+
+
 ROUTES = {
     "open": _open,
     "checkpoint/manifest": _manifest,
@@ -235,6 +267,7 @@ ROUTES = {
     "memory/timeline": _timeline,
     "plan": _plan,
     "run/events": _events,
+    "run/pipeline": _pipeline,
 }
 
 

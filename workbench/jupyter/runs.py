@@ -1,4 +1,5 @@
-"""Run answers: the events of a run directory not yet seen, its status and summary, step series."""
+"""Run answers: the events of a run directory not yet seen, its status and summary, step series, its
+checkpoints, and one pipeline step's measured schedule (pp > 1)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from workbench.jupyter.files import FileCache, Refused, relative
+from workbench.jupyter.files import FileCache, Refused, inside, relative
 
-__all__ = ["run_events"]
+__all__ = ["run_events", "run_pipeline", "run_checkpoints"]
 
 _RUNS = FileCache(16)
 
@@ -108,6 +109,9 @@ def _run_summary(run_dir: Path, events: list[dict]) -> dict[str, Any]:
             out["peak_mem_bytes"] = int(max(mem))
     out["ranks"] = sorted({int(e["rank"]) for e in events if isinstance(e.get("rank"), int) and e["rank"] >= 0})
     out["checkpoints"] = [e.get("step") for e in events if e.get("type") == "checkpoint"]
+    pipe = next((e for e in events if e.get("type") == "pipeline"), None)
+    if pipe is not None:
+        out["pipeline"] = {"schedule": pipe.get("schedule"), "microbatches": pipe.get("microbatches")}
     if errors:
         first = min(errors, key=lambda e: e.get("time", 0))
         msg = str(first.get("message") or "").strip()
@@ -118,14 +122,80 @@ def _run_summary(run_dir: Path, events: list[dict]) -> dict[str, Any]:
     return out
 
 
-def run_events(root: Path, p: Path, since: int = 0, types: list[str] | None = None, limit: int = 5000,
-               points: int = 0) -> dict[str, Any]:
+def _run_dir(root: Path, p: Path) -> Path:
     run_dir = p if p.is_dir() else p.parent
     if not (run_dir / "events.jsonl").is_file():
         raise Refused(404, f"{relative(root, run_dir)}: has no events.jsonl; open a run directory written by "
                       "workbench train / workbench.launch")
-    st = _RUNS.get((str(run_dir),), lambda: _RunState(run_dir))
-    events = st.refresh()
+    return run_dir
+
+
+def _events_of(run_dir: Path) -> list[dict]:
+    return _RUNS.get((str(run_dir),), lambda: _RunState(run_dir)).refresh()
+
+
+def run_checkpoints(root: Path, run_dir: Path, events: list[dict]) -> list[dict[str, Any]]:
+    """The run's checkpoints, by path (what JupyterLab's file browser cannot open: it does not enter a
+    folder named ``checkpoints``): the published ``step-*`` directories of ``RUN_DIR/checkpoints`` and
+    those its ``checkpoint`` events name (a run may save elsewhere), under the root and still on disk."""
+    from workbench.checkpoint.store import CheckpointStore, parse_step
+
+    store = CheckpointStore(run_dir / "checkpoints")
+    found: dict[str, dict[str, Any]] = {}
+    latest = store.latest_pointer()
+    for step in store.steps():
+        d = store.path(step)
+        if not inside(root, d):  # a step directory linked to outside the root
+            continue
+        found[str(d.resolve())] = {"step": step, "path": relative(root, d), "latest": d.name == latest}
+    for e in events:
+        if e.get("type") != "checkpoint" or not isinstance(e.get("path"), str):
+            continue
+        d = Path(e["path"])
+        d = d if d.is_absolute() else root / d
+        if d.is_dir() and inside(root, d) and str(d.resolve()) not in found:
+            found[str(d.resolve())] = {"step": e.get("step", parse_step(d.name)), "path": relative(root, d),
+                                       "latest": False}
+    return sorted(found.values(), key=lambda c: (c["step"] is None, c["step"] or 0, c["path"]))
+
+
+def run_pipeline(root: Path, p: Path, step: int | None = None) -> dict[str, Any]:
+    """One pipeline step's measured schedule, for the timeline: a row per (stage, rank), a bar per forward
+    and backward, in ms from the step's first forward; the measured bubble against (p-1)/(v m+p-1)."""
+    from workbench.parallel.pipeline_bubble import (bubble_fraction, pipeline_step, pipeline_steps, schedule_frame,
+                                                    schedule_shape, theoretical_bubble)
+
+    run_dir = _run_dir(root, p)
+    events = _events_of(run_dir)
+    rel = relative(root, run_dir)
+    try:  # the last step every pipeline rank reported, unless ``step`` names a complete one
+        step = pipeline_step(events, step)
+    except ValueError as e:
+        if "no schedule events" in str(e):
+            raise Refused(404, f"{rel}: has no schedule events; they are written by pipeline runs (pp > 1)") from None
+        if step is None:
+            raise Refused(404, f"{rel}: {e}; refresh in a moment") from None
+        raise Refused(404, f"{rel}: {e}") from None
+    done = pipeline_steps(events)
+    in_step = [e for e in events if e.get("type") == "schedule" and e.get("step") == step]
+    frame = schedule_frame(in_step)
+    pp, m, v = schedule_shape(frame)
+    t0 = float(frame["start"].min())
+    bars = [{"stage": int(r.stage), "rank": int(r.rank), "microbatch": int(r.microbatch), "phase": str(r.phase),
+             "start_ms": (float(r.start) - t0) * 1e3, "end_ms": (float(r.end) - t0) * 1e3}
+            for r in frame.sort_values(["stage", "start"]).itertuples()]
+    schedule = next((e.get("schedule") for e in events if e.get("type") == "pipeline"), None)
+    return {"path": rel, "step": step, "steps": done, "schedule": schedule, "pp": pp, "microbatches": m,
+            "stages_per_rank": v, "bubble_measured": bubble_fraction(in_step, skip_first=False),
+            "bubble_theory": theoretical_bubble(pp, m, v),
+            "rows": [{"stage": s, "rank": r} for s, r in sorted({(b["stage"], b["rank"]) for b in bars})],
+            "span_ms": max(b["end_ms"] for b in bars), "bars": bars}
+
+
+def run_events(root: Path, p: Path, since: int = 0, types: list[str] | None = None, limit: int = 5000,
+               points: int = 0) -> dict[str, Any]:
+    run_dir = _run_dir(root, p)
+    events = _events_of(run_dir)
     n = len(events)
     since = min(since, n)
     nxt = min(n, since + limit)
@@ -133,7 +203,7 @@ def run_events(root: Path, p: Path, since: int = 0, types: list[str] | None = No
     if types:
         chunk = [e for e in chunk if e.get("type") in types]
     out = {"path": relative(root, run_dir), "total": n, "since": since, "next": nxt, "events": chunk,
-           "summary": _run_summary(run_dir, events)}
+           "summary": _run_summary(run_dir, events), "checkpoints": run_checkpoints(root, run_dir, events)}
     out["status"] = out["summary"]["status"]
     if points > 0:
         out["series"] = _step_series(events, points)

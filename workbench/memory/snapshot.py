@@ -94,7 +94,7 @@ import pandas as pd
 from workbench.memory.timeline import CATEGORIES, PHASES, MemoryTimeline, empty_frame
 
 __all__ = ["import_snapshots", "from_snapshot", "import_profiler_trace", "identify_memory_file", "snapshot_files",
-           "classify_frames", "write_synthetic_snapshot", "measure_import", "DEFAULT_MAX_EVENTS"]
+           "classify_frames", "write_synthetic_snapshot", "measure_import", "ReadProgress", "DEFAULT_MAX_EVENTS"]
 
 DEFAULT_MAX_EVENTS = 2_000_000
 
@@ -241,6 +241,22 @@ class _Trace:
             self.n += len(block)
             self.rows = []
 
+    def since(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Action, size and time_us of the rows after the first ``n`` (in arrival order)."""
+        parts, at = [], 0
+        for chunk in self.chunks:
+            k = len(chunk[0])
+            if at + k > n:
+                lo = max(0, n - at)
+                parts.append((chunk[0][lo:], chunk[2][lo:], chunk[3][lo:]))
+            at += k
+        if self.rows:
+            block = np.array(self.rows, dtype=np.int64).reshape(-1, 5)[max(0, n - at):]
+            parts.append((block[:, 0], block[:, 2], block[:, 3]))
+        if not parts:
+            return np.zeros(0, np.int8), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return tuple(np.concatenate([q[j] for q in parts]) for j in range(3))  # type: ignore[return-value]
+
     def columns(self) -> _Columns:
         """All rows as columns; the chunks are released as they are copied."""
         self.flush()
@@ -309,6 +325,7 @@ class _PlainPickle:
         self.layouts: list = []                 # layouts seen, the last one used first
         self.actcache: dict[bytes, int] = {}    # GET bytes -> action code
         self.framecache: dict[bytes, _StackRef] = {}  # bytes of a traceback list of GETs -> its stack
+        self.ints: dict[bytes, int] = {}        # bytes of an int opcode -> its value (addresses, sizes recur)
         self.pos = 0
 
     # -- memo compaction ------------------------------------------------------------------------
@@ -467,7 +484,42 @@ class _PlainPickle:
         actcache, layouts, framecache = self.actcache, self.layouts, self.framecache
         from_bytes = int.from_bytes
         empty = self.stacks._srefs[0]
+        ints = self.ints
+        hot = None  # the match of the last entry's layout when it is torch's (see below)
+        ia = iaddr = isize = itime = iframes = -1  # that layout's groups
         while True:
+            if hot is not None:
+                # The common case in one step: an entry in torch's layout (the traceback, a new list of
+                # GETs, is the one value that makes a memo slot) whose action and traceback were seen
+                # before. It does what the general path below does for such an entry.
+                m = hot(buf, p)
+                if m is not None:
+                    g = m.groups()
+                    code = actcache.get(g[ia])
+                    sref = framecache.get(g[iframes])  # only new lists of GETs are in it
+                    if code is not None and sref is not None:
+                        v = g[iaddr]
+                        addr = ints.get(v)
+                        if addr is None:
+                            addr = ints[v] = (from_bytes(v[2:], "little", signed=True) if v[0] == 0x8a
+                                              else from_bytes(v[1:], "little", signed=v[0] == 0x4a))
+                        v = g[isize]
+                        size = ints.get(v)
+                        if size is None:
+                            size = ints[v] = (from_bytes(v[2:], "little", signed=True) if v[0] == 0x8a
+                                              else from_bytes(v[1:], "little", signed=v[0] == 0x4a))
+                        v = g[itime]
+                        when = (from_bytes(v[2:], "little", signed=True) if v[0] == 0x8a
+                                else from_bytes(v[1:], "little", signed=v[0] == 0x4a))
+                        memo.append(_ENTRY)
+                        memo.append(sref)
+                        stack.append(_ENTRY)
+                        pending.append((code, addr if code != _OOM else 0, size, when, sref.sid)
+                                       if code in _KEPT else None)
+                        p = m.end()
+                        continue
+                if len(ints) > (1 << 18):
+                    ints.clear()
             m = None
             for layout in layouts:
                 m = layout[0].match(buf, p)
@@ -535,6 +587,8 @@ class _PlainPickle:
             stack.append(_ENTRY)
             pending.append((code, addr if code != _OOM else 0, size, when, sref.sid) if code in _KEPT else None)
             p = m.end()
+            torch_layout = len(imemo) == 1 and imemo[0] == iframes and min(iaddr, isize, itime) >= 0
+            hot = layout[0].match if torch_layout else None
 
     # -- the general loop -----------------------------------------------------------------------
     def load(self) -> Any:
@@ -552,7 +606,7 @@ class _PlainPickle:
         stack, marks, memo, slots = self.stack, self.marks, self.memo, self.slots
         appending = self._appending
         report_every = 1 << 26
-        report_at = report_every
+        report_at = 1 << 24  # the first report early: a view draws the part read from it
         p = 0
         while True:
             self.pos = p
@@ -861,6 +915,33 @@ class _RawSnapshot:
         return busy[0] if busy else 0
 
 
+class ReadProgress:
+    """How far the read of one snapshot file has got: what ``import_snapshots(progress=callback)`` hands
+    its callback after the first 16 MiB of each file, then every 64 MiB, and once at the file's end.
+
+    The callback runs in the reading thread between two opcodes, so what :meth:`new_events` returns is
+    consistent; keep the callback short (a 1 GB file calls it 16 times)."""
+
+    def __init__(self, rank: int, path: Path, reader: "_PlainPickle", total: int):
+        self.rank, self.path, self.bytes_total = rank, path, total
+        self.bytes_read = 0
+        self._reader = reader
+        self._seen: dict[int, int] = {}
+
+    def new_events(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per device trace with rows so far (in the order the file lists them, empty ones left out):
+        ``(time_us, delta_bytes)`` of the allocations (+size) and completed frees (-size) read since the
+        last call. Their running sum is the change in allocated bytes since the trace's first event."""
+        out = []
+        for key, trace in list(self._reader.traces.items()):
+            n = self._seen.get(key, 0)
+            action, size, when = trace.since(n)
+            self._seen[key] = n + len(action)
+            keep = (action == _ALLOC) | (action == _FREE)
+            out.append((when[keep], np.where(action[keep] == _ALLOC, size[keep], -size[keep])))
+        return out
+
+
 def _open_buffer(path: Path) -> tuple[Any, Any]:
     f = open(path, "rb")
     try:
@@ -873,13 +954,20 @@ def _open_buffer(path: Path) -> tuple[Any, Any]:
         return f, data
 
 
-def _read_pickle(path: Path, progress: bool = False) -> _RawSnapshot:
+def _read_pickle(path: Path, progress: bool | Callable[[ReadProgress], None] = False, rank: int = 0) -> _RawSnapshot:
     stacks = _Stacks()
     f, buf = _open_buffer(path)
     bar = None
     try:
         callback: Callable[[int], None] | None = None
-        if progress and len(buf) > (64 << 20):
+        watch: ReadProgress | None = None
+        if callable(progress):
+            def report(p: int) -> None:
+                if watch is not None:
+                    watch.bytes_read = p
+                    progress(watch)
+            callback = report
+        elif progress and len(buf) > (64 << 20):
             from tqdm.auto import tqdm
             bar = tqdm(total=len(buf), unit="B", unit_scale=True, desc=f"reading {path.name}", leave=False)
             callback = lambda p: bar.update(p - bar.n)  # noqa: E731
@@ -889,6 +977,7 @@ def _read_pickle(path: Path, progress: bool = False) -> _RawSnapshot:
             raise ValueError(f"{path} is JSON, not a pickle: a profiler trace is read by import_profiler_trace, "
                              "a saved timeline by MemoryTimeline.load")
         reader = _PlainPickle(buf, stacks, callback)
+        watch = ReadProgress(rank, path, reader, len(buf)) if callable(progress) else None
         try:
             top = reader.load()
         except _Refused as e:
@@ -1434,7 +1523,8 @@ def _block_category(contexts: _Contexts, sid: int) -> str:
 
 def from_snapshot(snapshot: Mapping | str | os.PathLike, rank: int = 0,
                   identities: Mapping[int, str] | None = None, *, device: int | None = None,
-                  max_events: int = DEFAULT_MAX_EVENTS, progress: bool = False) -> MemoryTimeline:
+                  max_events: int = DEFAULT_MAX_EVENTS,
+                  progress: bool | Callable[[ReadProgress], None] = False) -> MemoryTimeline:
     """One rank's timeline from a snapshot: a ``torch.cuda.memory._snapshot()`` dict or a pickle file.
 
     ``identities`` maps storage addresses to categories for what is alive when the snapshot is taken
@@ -1447,7 +1537,7 @@ def from_snapshot(snapshot: Mapping | str | os.PathLike, rank: int = 0,
         path = Path(snapshot)
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist; pass a file written by torch.cuda.memory._dump_snapshot()")
-        raw = _read_pickle(path, progress)
+        raw = _read_pickle(path, progress, rank)
         name = str(path)
     part = _snapshot_rank(raw, rank, device, identities, max_events)
     return _join([part], "snapshot", "cuda", {"files": {str(rank): name}})
@@ -1492,15 +1582,18 @@ def snapshot_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> li
 
 def import_snapshots(paths: str | os.PathLike | Sequence[str | os.PathLike], *, device: int | None = None,
                      identities: Mapping[int, Mapping[int, str]] | None = None,
-                     max_events: int = DEFAULT_MAX_EVENTS, progress: bool = True) -> MemoryTimeline:
+                     max_events: int = DEFAULT_MAX_EVENTS,
+                     progress: bool | Callable[[ReadProgress], None] = True) -> MemoryTimeline:
     """Every rank of a job in one timeline, from its snapshot files (see :func:`snapshot_files`).
 
     Each file is streamed and reduced to its rows before the next is read, so memory grows with the
-    rows kept (``max_events`` per rank), not with the files. ``identities`` is per rank."""
+    rows kept (``max_events`` per rank), not with the files. ``identities`` is per rank. ``progress``:
+    True shows a progress bar for large files; a callable gets a :class:`ReadProgress` as each file is
+    read (after 16 MiB, then every 64 MiB: a server draws the part read from it while the rest is read)."""
     parts = []
     names = {}
     for rank, path in snapshot_files(paths):
-        raw = _read_pickle(path, progress)
+        raw = _read_pickle(path, progress, rank)
         parts.append(_snapshot_rank(raw, rank, device, (identities or {}).get(rank), max_events))
         names[str(rank)] = str(path)
         del raw
@@ -1657,6 +1750,81 @@ class _SpliceWriter:
             if len(piece) >= 4:
                 self.f.write(b"\x95" + len(piece).to_bytes(8, "little"))
             self.f.write(piece)
+
+
+_SIMULATED_BYTES = 8 << 20  # a synthetic snapshot's steps are simulated up to here, then the last one repeats
+_FRAME_TARGET = 64 << 10    # the pickler's frame size
+
+
+def _repeat_step(w: _SpliceWriter, sim: "_TrainingSim", entries: list[dict], target_bytes: int) -> None:
+    """Append copies of one simulated step's ``entries`` to the trace list being written, each later in
+    time by the step's length, until the file reaches ``target_bytes``: gigabytes in seconds.
+
+    A step after the first starts and ends with the same allocations alive (parameters and optimizer
+    state), so its copies are valid steps: every address they allocate is free when they start. Each
+    entry is pickled once, by a pickler holding the shared strings and frames as the head wrote them, so
+    its bytes are the ones the C pickler writes for it in a list; copies differ only in the 7-byte
+    ``time_us`` values (LONG1), rewritten with numpy. They are grouped as pickle groups them (MARK, at
+    most 1000 items, APPENDS) in frames of about 64 KiB that end between opcodes."""
+    import io
+    sentinel = 0x5A << 48  # a 7-byte LONG1, as 2024's time_us values are
+    pieces: list[bytes] = []
+    offsets: list[int] = []
+    for i, e in enumerate(entries):
+        assert e["time_us"] < (1 << 55), "time_us must fit the 7-byte LONG1 the copies rewrite"
+        bio = io.BytesIO()
+        pk = pickle.Pickler(bio, protocol=4)
+        pk.memo = w.shared
+        pk.dump({**e, "time_us": sentinel + i})  # the same keys (the shared strings), in the same order
+        data = bio.getvalue()
+        body = data[11:-1] if data[2] == 0x95 else data[2:-1]  # PROTO, FRAME ... STOP
+        mark = b"\x8a\x07" + (sentinel + i).to_bytes(7, "little")
+        at = body.find(mark)
+        assert at > 0 and body.find(mark, at + 1) < 0
+        pieces.append(body)
+        offsets.append(at + 2)
+    template, times = bytearray(), []
+    frame, frame_at = bytearray(), []
+    def close_frame() -> None:
+        if frame:
+            template.extend(b"\x95" + len(frame).to_bytes(8, "little"))
+            base = len(template)
+            times.extend(base + o for o in frame_at)
+            template.extend(frame)
+            frame.clear()
+            frame_at.clear()
+    for b0 in range(0, len(pieces), 1000):
+        frame.extend(b"(")
+        for body, off in zip(pieces[b0:b0 + 1000], offsets[b0:b0 + 1000]):
+            if len(frame) + len(body) > _FRAME_TARGET:
+                close_frame()
+            frame_at.append(len(frame) + off)
+            frame.extend(body)
+        frame.extend(b"e")
+    close_frame()
+    tpl = np.frombuffer(bytes(template), dtype=np.uint8)
+    pos = np.asarray(times, dtype=np.int64)
+    t0 = np.array([e["time_us"] for e in entries], dtype=np.int64)
+    period = int(t0[-1] - t0[0]) + 20
+    allocs = sum(1 for e in entries if e["action"] == "alloc")
+    per_block = max(1, (32 << 20) // len(tpl))
+    f = w.f
+    reps = 0
+    while f.tell() < target_bytes:
+        k = min(per_block, -(-(target_bytes - f.tell()) // len(tpl)))
+        block = np.tile(tpl, k)
+        r = np.arange(1 + reps, 1 + reps + k, dtype=np.int64)
+        when = t0[None, :] + r[:, None] * period
+        assert when.max() < (1 << 55)
+        raw = when.astype("<i8").view(np.uint8).reshape(k, len(t0), 8)[:, :, :7]
+        at = (np.arange(k, dtype=np.int64)[:, None] * len(tpl) + pos[None, :])[:, :, None] + np.arange(7)
+        block[at] = raw
+        f.write(block.tobytes())
+        reps += k
+    sim.entries += reps * len(entries)
+    sim.allocs += reps * allocs
+    sim.steps += reps
+    sim.clock = int(t0[-1]) + reps * period
 
 
 def _synthetic_frames(n_frames: int) -> dict[str, list[dict]]:
@@ -1829,7 +1997,8 @@ class _TrainingSim:
 
 
 def write_synthetic_snapshot(path: str | os.PathLike, target_bytes: int, seed: int = 0, n_frames: int = 24, *,
-                             layers: int = 8, device: int = 0, devices: int = 1) -> dict[str, Any]:
+                             layers: int = 8, device: int = 0, devices: int = 1,
+                             simulate_bytes: int = _SIMULATED_BYTES) -> dict[str, Any]:
     """Write a snapshot of a simulated FSDP training loop in torch's exact format, of about ``target_bytes``.
 
     Each step runs forward (an all-gather buffer, kept activations and temporaries per layer), backward
@@ -1838,8 +2007,9 @@ def write_synthetic_snapshot(path: str | os.PathLike, target_bytes: int, seed: i
     a data batch exist before the trace starts, so ``base_bytes`` is not zero and some frees have no
     allocation in the trace. Frees are recorded as torch does with ``context="all"``: free_requested,
     then free_completed, with the freeing stack. Whole steps are written until the file reaches
-    ``target_bytes``, with bounded memory whatever the size; ``device``/``devices`` place the trace
-    among empty ones, as a process that sees several GPUs writes it.
+    ``target_bytes``, with bounded memory whatever the size; beyond ``simulate_bytes`` (8 MiB) the last
+    simulated step is repeated, later in time, as bytes (a 1 GB file takes seconds). ``device``/``devices``
+    place the trace among empty ones, as a process that sees several GPUs writes it.
 
     Returns the ground truth: ``bytes`` (the file's size), ``entries``, ``allocations``, ``steps``,
     ``peak_bytes`` (the exact peak of live requested bytes, ``base_bytes`` included), ``base_bytes`` and
@@ -1868,13 +2038,19 @@ def write_synthetic_snapshot(path: str | os.PathLike, target_bytes: int, seed: i
             sim.out = []
             w.retire_head()
             per_entry = max(1, f.tell() // max(1, sim.entries))  # bytes an entry takes, from the first batch
-            while f.tell() < target_bytes:
+            simulated = min(target_bytes, simulate_bytes)
+            while f.tell() < simulated:
                 sim.step()
-                if len(sim.out) >= min(20_000, (target_bytes - f.tell()) // per_entry):
+                if len(sim.out) >= min(20_000, (simulated - f.tell()) // per_entry):
                     w.items(sim.out)
                     sim.out = []
             w.items(sim.out)
             sim.out = []
+            if f.tell() < target_bytes:  # beyond simulate_bytes: one more simulated step, then copies of it
+                sim.step()
+                step, sim.out = sim.out, []
+                w.items(step)
+                _repeat_step(w, sim, step, target_bytes)
         w.raw(b"e")
         w.obj("allocator_settings")
         w.obj({"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collection_threshold": 0.0,

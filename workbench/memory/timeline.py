@@ -560,8 +560,19 @@ def _read_npz(path: Path, rank: int) -> pd.DataFrame:
             cols = {}
             for c in COLUMNS:
                 if c in _STRINGS:
-                    vocab = z[c + "__vocab"]
-                    cols[c] = vocab[z[c]] if len(vocab) else np.zeros(len(z[c]), dtype=str)
+                    vocab, codes = z[c + "__vocab"], z[c]
+                    if len(vocab) and codes.dtype.kind == "i" and (not len(codes) or 0 <= codes.min() <= codes.max()
+                                                                   < len(vocab)):
+                        # categoricals straight from the codes (sorted, as from strings): no pass over
+                        # millions of strings
+                        order = np.argsort(vocab, kind="stable")
+                        if len(np.unique(vocab)) != len(vocab):
+                            raise ValueError("a vocabulary with repeated strings")
+                        rank = np.empty(len(vocab), np.int64)
+                        rank[order] = np.arange(len(vocab))
+                        cols[c] = pd.Categorical.from_codes(rank[codes], categories=vocab[order].astype(str).tolist())
+                    else:
+                        cols[c] = vocab[codes] if len(vocab) else np.zeros(len(codes), dtype=str)
                 else:
                     cols[c] = z[c]
     except (OSError, ValueError, KeyError, EOFError) as e:

@@ -15,7 +15,8 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-__all__ = ["schedule_frame", "bubble_fraction", "theoretical_bubble", "schedule_shape", "complete_steps"]
+__all__ = ["schedule_frame", "bubble_fraction", "theoretical_bubble", "schedule_shape", "complete_steps",
+           "pipeline_steps", "pipeline_step"]
 
 COLUMNS = ["rank", "step", "stage", "microbatch", "phase", "start", "end"]
 
@@ -71,3 +72,27 @@ def complete_steps(frame: pd.DataFrame, ranks: Iterable[int] | None = None) -> l
     expected = set(frame["rank"]) if ranks is None else set(ranks)
     seen = frame.groupby("step")["rank"].agg(set)
     return sorted(int(step) for step, have in seen.items() if expected <= have)
+
+
+def pipeline_steps(events: list[dict[str, Any]]) -> list[int]:
+    """The steps of a run's events that every pipeline rank has reported (ValueError if it has no schedule)."""
+    frame = schedule_frame(events)
+    if frame.empty:
+        raise ValueError("no schedule events; they are written by runs with pp > 1")
+    ranks = {e["rank"] for e in events if e.get("type") == "pipeline"} or None
+    return complete_steps(frame, ranks)
+
+
+def pipeline_step(events: list[dict[str, Any]], step: int | None = None) -> int:
+    """The step a timeline shows by default: the last one every pipeline rank has reported, not step 0
+    (it includes warm-up: stage shape inference, optimizer state creation) unless it is the only one.
+    ``step`` given: that step, if it is complete. ValueError naming the problem otherwise."""
+    done = pipeline_steps(events)
+    if step is not None:
+        if step not in done:
+            raise ValueError(f"step {step} has no complete schedule; choose one of {done}")
+        return step
+    if not done:
+        raise ValueError("no step has been reported by every pipeline rank yet")
+    steady = [s for s in done if s != 0]
+    return steady[-1] if steady else done[-1]

@@ -62,6 +62,19 @@ def _job(job: Any, parallel: Any = None, train: Any = None, nproc: int | None = 
     return JobConfig(model=mcfg, parallel=pcfg, train=tcfg)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (a container's
+    ``cpu.max``), which ``os.cpu_count()`` ignores: on Binder or Kubernetes it reports the host's cores."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
 def predict(job: JobConfig | str | ModelConfig | dict, *, device: str = "cpu", ranks: list[int] | None = None,
             steps: int | None = None, exact: bool = False, workers: int | None = None, progress: bool = True,
             parallel: ParallelConfig | dict | None = None, train: TrainConfig | dict | None = None,
@@ -78,7 +91,8 @@ def predict(job: JobConfig | str | ModelConfig | dict, *, device: str = "cpu", r
     and for a job with micro-batches, one step with the optimizer state made before it instead of two.
     ``exact=True`` runs every micro-batch of ``steps`` steps (default 2), the timeline to look at when
     the whole schedule matters. ``workers``: processes sharing the distinct ranks (default: up to the
-    CPU count for models of a billion parameters or more, else 1).
+    CPUs this process may use, :func:`usable_cpus`, for models of a billion parameters or more, else 1;
+    each worker is a process that imports torch, about 350 MB).
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: predict for 'cpu' or 'cuda'")
@@ -89,7 +103,7 @@ def predict(job: JobConfig | str | ModelConfig | dict, *, device: str = "cpu", r
     reps = sorted(set(rank_map.values())) if ranks is None else sorted({rank_map[_check_rank(r, rank_map)]
                                                                          for r in ranks})
     if workers is None:
-        workers = min(os.cpu_count() or 1, len(reps)) if job.model.n_params >= 1e9 else 1
+        workers = min(usable_cpus(), len(reps)) if job.model.n_params >= 1e9 else 1
     workers = max(1, min(workers, len(reps)))
     t0 = time.perf_counter()
     if dist.is_initialized() or workers > 1:  # a real group here cannot coexist with the fake one

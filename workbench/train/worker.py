@@ -1,4 +1,5 @@
-"""The per-rank entry point that torchrun starts: ``python -m workbench.train.worker RUN_DIR``.
+"""The per-rank entry point: ``rank_main(RUN_DIR)``, which torchrun calls in each rank it forks from the
+launcher's agent (``workbench.train.agent``), or ``python -m workbench.train.worker RUN_DIR``.
 
 An exception becomes an ``error`` event carrying the traceback, so the launcher can show it.
 """
@@ -8,10 +9,43 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 
 from workbench.config import JobConfig
 from workbench.lifeline import exit_now, follow_parent
+from workbench.train.outcome import is_peer_loss
+
+# A rank that only lost its peer waits this long before exiting, so that torchrun reaps the rank that
+# caused it first: with forked ranks it reports the first failed rank it sees (workbench.train.agent).
+PEER_LOSS_EXIT_DELAY_S = 1.0
+
+
+def preload() -> None:
+    """Import what a rank imports, in the process that forks the ranks, so they share those pages with it;
+    then move every object there out of the garbage collector's reach (``gc.freeze``): a collection in a
+    rank would otherwise write to the header of every object it examines, copying the pages they sit on."""
+    import gc
+
+    import workbench.train.trainer  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+
+
+def rank_main(run_dir: str) -> int:
+    """One rank, in a process torchrun forked from the agent: as ``python -m workbench.train.worker``.
+
+    The agent's signal handlers came along with the fork: a rank ends on SIGTERM (torchrun's clean-up)
+    and raises KeyboardInterrupt on SIGINT, as a fresh interpreter does. A failure exits at once with
+    its code; success returns 0 to torchrun, which collects it before the process exits.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    code = main([run_dir])
+    if code:
+        exit_now(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the event stream
         if isinstance(exc, KeyboardInterrupt):
             return 130
+        message, trace = f"{type(exc).__name__}: {exc}", traceback.format_exc()
         with EventWriter(run_dir, rank) as ev:
-            ev.emit("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+            ev.emit("error", message=message, traceback=trace)
         traceback.print_exc()
+        if is_peer_loss(message + trace):
+            time.sleep(PEER_LOSS_EXIT_DELAY_S)
         return 1
     return 0
 

@@ -15,8 +15,8 @@ from typing import Any, Iterable
 import plotly.colors
 import plotly.graph_objects as go
 
-from workbench.parallel.pipeline_bubble import (bubble_fraction, complete_steps, schedule_frame,
-                                                schedule_shape, theoretical_bubble)
+from workbench.parallel.pipeline_bubble import (bubble_fraction, pipeline_step, schedule_frame, schedule_shape,
+                                                theoretical_bubble)
 from workbench.train.events import read_events
 from workbench.train.launcher import Run
 
@@ -60,24 +60,6 @@ PHASE_STYLE = {  # forward solid, backward hatched and lighter: the colour still
     "F": {"opacity": 1.0, "marker_pattern_shape": ""},
     "B": {"opacity": 0.7, "marker_pattern_shape": "/"},
 }
-
-
-def pipeline_step(events: list[dict[str, Any]], step: int | None = None) -> int:
-    """The step a timeline shows by default: the last one every pipeline rank has reported, not step 0
-    (it includes warm-up: stage shape inference, optimizer state creation) unless it is the only one."""
-    frame = schedule_frame(events)
-    if frame.empty:
-        raise ValueError("no schedule events; they are written by runs with pp > 1")
-    ranks = {e["rank"] for e in events if e.get("type") == "pipeline"} or None
-    done = complete_steps(frame, ranks)
-    if step is not None:
-        if step not in done:
-            raise ValueError(f"step {step} has no complete schedule; choose one of {done}")
-        return step
-    if not done:
-        raise ValueError("no step has been reported by every pipeline rank yet")
-    steady = [s for s in done if s != 0]
-    return steady[-1] if steady else done[-1]
 
 
 def plot_pipeline_timeline(run_or_events: Run | Iterable[dict[str, Any]], step: int | None = None) -> go.Figure:

@@ -1,0 +1,81 @@
+"""Checksums taken while writing (xxh3_128), verified on load in the background; old sha256 manifests still work."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+import workbench.checkpoint.saver as saver
+from workbench.checkpoint import TrainState, is_complete, load, read_manifest, save, verify
+from workbench.config import ModelConfig
+from workbench.models import build_model
+
+CFG = ModelConfig("sum-test", dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=64, vocab_size=64,
+                  max_seq_len=16)
+
+
+def _save_steps(root: Path, steps=(1, 2)) -> torch.nn.Module:
+    model = build_model(CFG, seed=0)
+    for s in steps:
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        save(root, TrainState(model, step=s))
+    return model
+
+
+def _flip_a_byte(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def test_digests_are_taken_while_writing_and_match_the_files(tmp_path, monkeypatch):
+    def no_reread(*a, **k):
+        raise AssertionError("a saved file was read back to hash it")
+
+    monkeypatch.setattr(saver, "file_digest", no_reread)  # the save must not need it
+    _save_steps(tmp_path, steps=(1,))
+    doc = read_manifest(tmp_path / "step-000001")
+    assert doc["checksum"] == "xxh3_128"
+    assert set(doc["files"]) == {".metadata", "__0_0.distcp"}
+    for name, entry in doc["files"].items():
+        data = (tmp_path / "step-000001" / name).read_bytes()
+        assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+
+
+def test_a_damaged_latest_is_found_while_loading_and_the_previous_step_loads(tmp_path):
+    _save_steps(tmp_path)
+    _flip_a_byte(tmp_path / "step-000002" / "__0_0.distcp")
+    fresh = build_model(CFG, seed=3)
+    assert load(tmp_path, fresh).step == 1  # the run dir: falls back past the damaged step
+    ref = load(tmp_path / "step-000001", build_model(CFG, seed=4))
+    assert ref.step == 1
+    with pytest.raises(ValueError, match=r"cannot resume from .*step-000002: .*__0_0\.distcp: xxh3_128 differs from "
+                                         r"the manifest; the file is damaged; pick another step directory"):
+        load(tmp_path / "step-000002", build_model(CFG, seed=3))
+    report = verify(tmp_path / "step-000002", progress=False)
+    assert [p.problem for p in report.problems] == ["xxh3_128 differs from workbench.json (corrupted bytes)"]
+
+
+def test_sha256_manifests_of_older_saves_still_verify_and_load(tmp_path):
+    model = _save_steps(tmp_path, steps=(1,))
+    step = tmp_path / "step-000001"
+    doc = json.loads((step / "workbench.json").read_text())  # rewritten as saves before xxh3 wrote it
+    doc.pop("checksum")
+    doc["files"] = {n: {"bytes": e["bytes"], "sha256": hashlib.sha256((step / n).read_bytes()).hexdigest()}
+                    for n, e in doc["files"].items()}
+    (step / "workbench.json").write_text(json.dumps(doc))
+    assert is_complete(step) == (True, "ok")
+    assert verify(step, progress=False).ok
+    fresh = build_model(CFG, seed=7)
+    load(tmp_path, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    _flip_a_byte(step / "__0_0.distcp")
+    ok, why = is_complete(step)
+    assert not ok and why.endswith("__0_0.distcp: sha256 differs from the manifest; the file is damaged")
+    assert "sha256 differs from workbench.json" in str(verify(step, progress=False).problems[0])
