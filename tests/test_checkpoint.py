@@ -26,6 +26,7 @@ import workbench
 from workbench.checkpoint import (EMA, Checkpointer, CheckpointError, CheckpointStore, TrainState, is_complete, load,
                                   read_manifest, save)
 from workbench.checkpoint.load import read_metadata
+from workbench.checkpoint.saver import WRITE_THREADS
 from workbench.config import ModelConfig
 from workbench.models import build_model
 
@@ -88,7 +89,7 @@ def test_full_state_round_trip_continues_bitwise(tmp_path):
 
     doc = read_manifest(path)
     assert doc["format"] == "workbench-checkpoint" and doc["version"] == 1 and doc["step"] == 3
-    assert set(doc["files"]) == {".metadata", "__0_0.distcp"} and doc["ema"] is True
+    assert set(doc["files"]) == {".metadata"} | {f"__0_{i}.distcp" for i in range(WRITE_THREADS)} and doc["ema"] is True
     assert doc["files"]["__0_0.distcp"]["bytes"] == (path / "__0_0.distcp").stat().st_size
     keys = set(read_metadata(path).state_dict_metadata)
     for key in ("model.layers.0.attention.wq.weight", "optim.state.layers.1.feed_forward.w2.weight.exp_avg",

@@ -42,7 +42,8 @@ def test_digests_are_taken_while_writing_and_match_the_files(tmp_path, monkeypat
     _save_steps(tmp_path, steps=(1,))
     doc = read_manifest(tmp_path / "step-000001")
     assert doc["checksum"] == "xxh3_128"
-    assert set(doc["files"]) == {".metadata", "__0_0.distcp"}
+    # one file per writer thread, each with its digest taken on the way out
+    assert set(doc["files"]) == {".metadata"} | {f"__0_{i}.distcp" for i in range(saver.WRITE_THREADS)}
     for name, entry in doc["files"].items():
         data = (tmp_path / "step-000001" / name).read_bytes()
         assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
