@@ -4,7 +4,7 @@ DCP stores every tensor under its global key with each shard's global offsets. L
 tensors *this* layout holds (a tp shard, an FSDP shard, a whole replicated tensor) and DCP reads the
 overlapping pieces of whichever shards were saved::
 
-    saved under tp=2:      wq = [rows 0..63 | rows 64..127]        (one file per rank)
+    saved under tp=2:      wq = [rows 0..63 | rows 64..127]        (each half in its rank's files)
     loaded by dp_shard=2:  rank 0 asks rows 0..63, rank 1 rows 64..127    -> same bytes, new owners
     loaded by 1 process:   asks rows 0..127                                -> both files
 

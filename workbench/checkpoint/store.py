@@ -3,7 +3,8 @@
 A run's checkpoints are directories under ``<run_dir>/checkpoints/``::
 
     checkpoints/
-      step-000003/            .metadata  __0_0.distcp  __1_0.distcp  workbench.json
+      step-000003/            .metadata  __0_0.distcp  __0_1.distcp  __1_0.distcp  __1_1.distcp  workbench.json
+                              (__<rank>_<writer thread>.distcp: saver.WRITE_THREADS files per rank)
       step-000006/            ...
       .tmp-step-000009-7f3a/  being written (never read)
       latest                  "step-000006"
