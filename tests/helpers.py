@@ -14,3 +14,24 @@ def wait_for(pred, timeout: float = 60.0):
             return value
         time.sleep(0.05)
     raise TimeoutError("condition not met")
+
+
+def wait_for_server(proc, ready, what: str, log_tail=lambda: "", timeout: float = 60.0):
+    """Poll ``ready()`` (a request to a starting server) every 0.25 s until it returns something truthy,
+    which is returned; an OSError from it means "not yet". Fails the test, with the server's log, when
+    ``proc`` exits first or ``timeout`` seconds pass."""
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with code {proc.returncode}:\n{log_tail()}")
+        try:
+            value = ready()
+            if value:
+                return value
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not answer within {timeout:.0f} s:\n{log_tail()}")
+        time.sleep(0.25)

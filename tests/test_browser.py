@@ -25,13 +25,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
+
+from helpers import wait_for_server  # tests/helpers.py
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path(os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium"))
@@ -213,18 +214,8 @@ def start_lab(root: Path, base: Path, settings: Path, env: dict, extra: tuple[st
                                 cwd=root, start_new_session=True)
     server = LabServer(f"http://127.0.0.1:{port}", token, root, proc, log)
     try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"jupyter lab exited with code {proc.returncode}:\n{server.log_tail()}")
-            try:
-                if server.api("/api/status", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"jupyter lab did not answer /api/status within {SERVER_START_S} s:\n{server.log_tail()}")
-            time.sleep(0.25)
+        wait_for_server(proc, lambda: server.api("/api/status", timeout=2)[0] == 200, "jupyter lab", server.log_tail,
+                        SERVER_START_S)
         yield server
     finally:
         _stop_server(server)

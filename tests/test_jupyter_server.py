@@ -11,8 +11,8 @@ against the core called in-process, and every bad input for its one-line error.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import pickle
 import shutil
 import signal
@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import wait_for_server  # tests/helpers.py
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER_START_S = 60
@@ -110,21 +112,12 @@ def _start_server(base: Path, root: Path) -> Server:
 
 
 def _wait_ready(server: Server) -> None:
-    deadline = time.monotonic() + SERVER_START_S
-    while True:
-        if server.proc.poll() is not None:
-            pytest.fail(f"jupyter server exited with code {server.proc.returncode}:\n{server.log_tail()}")
-        try:
-            req = urllib.request.Request(f"{server.url}/api/status",
-                                         headers={"Authorization": f"token {server.token}"})
-            with urllib.request.urlopen(req, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"jupyter server did not answer within {SERVER_START_S} s:\n{server.log_tail()}")
-        time.sleep(0.2)
+    def status() -> bool:
+        req = urllib.request.Request(f"{server.url}/api/status", headers={"Authorization": f"token {server.token}"})
+        with urllib.request.urlopen(req, timeout=2) as resp:
+            return resp.status == 200
+
+    wait_for_server(server.proc, status, "jupyter server", server.log_tail, SERVER_START_S)
 
 
 def _stop(proc: subprocess.Popen) -> None:

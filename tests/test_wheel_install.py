@@ -17,11 +17,12 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from helpers import wait_for_server  # tests/helpers.py
 
 REPO = Path(__file__).resolve().parents[1]
 EXTENSION = "parallel-workbench-lab"
@@ -109,14 +110,10 @@ def test_jupyter_lab_serves_the_extension_and_its_api(fresh):
                             env=fresh["env"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline, page = time.monotonic() + 60, None
-        while page is None:
-            assert proc.poll() is None, proc.stderr.read()[-2000:]
-            assert time.monotonic() < deadline, "jupyter lab did not answer within 60 s"
-            try:
-                page = urllib.request.urlopen(f"{base}/lab?token={token}", timeout=5).read().decode()
-            except OSError:
-                time.sleep(0.3)
+        def lab_page() -> str:
+            return urllib.request.urlopen(f"{base}/lab?token={token}", timeout=5).read().decode()
+
+        page = wait_for_server(proc, lab_page, "jupyter lab (the fresh env's)", lambda: proc.stderr.read()[-2000:])
         found = re.search(r'<script id="jupyter-config-data"[^>]*>(.*?)</script>', page, re.S)
         assert found, page[:500]
         config = json.loads(found.group(1))

@@ -62,10 +62,11 @@ class _Rank:
 
 
 class _Loaded:
-    def __init__(self, tl: Any, seconds: float, cached: bool):
+    def __init__(self, tl: Any, started: float, cached: bool):
         self.tl = tl
         self.ranks = {r: _Rank(tl, r) for r in tl.ranks}
-        self.parse = {"seconds": round(seconds, 3), "cached": cached}
+        # seconds from the start of the read (or cache load) until the answers are ready
+        self.parse = {"seconds": round(time.monotonic() - started, 3), "cached": cached}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,22 +124,6 @@ def _cache_store(p: Path, tl: Any) -> None:
 # the background parse
 # --------------------------------------------------------------------------------------------------
 
-def _envelope(v: np.ndarray, points: int) -> np.ndarray:
-    """Sorted indices of the first, last, and each bin's smallest and largest value (O(n), for the
-    pieces of a file being read; :func:`extreme_indices` draws the answers)."""
-    n = len(v)
-    if n <= points:
-        return np.arange(n)
-    b = -(-n // max(1, points // 2))
-    m = n // b * b
-    rows = v[:m].reshape(-1, b)
-    start = np.arange(len(rows)) * b
-    idx = [start + rows.argmax(1), start + rows.argmin(1), [0, n - 1]]
-    if m < n:
-        idx += [[m + int(np.argmax(v[m:])), m + int(np.argmin(v[m:]))]]
-    return np.unique(np.concatenate([np.asarray(i, dtype=np.int64) for i in idx]))
-
-
 class _Partial:
     """One rank's line while its file is read: time_us and the running change in allocated bytes,
     kept as the envelope of each piece read (exact at every point kept)."""
@@ -153,8 +138,10 @@ class _Partial:
     def add(self, when: np.ndarray, delta: np.ndarray) -> None:
         if not len(when):
             return
+        from workbench.memory.timeline import extreme_indices
+
         total = self.running + np.cumsum(delta)
-        idx = _envelope(total, _PIECE_POINTS)
+        idx = extreme_indices(total, _PIECE_POINTS)
         t, d = when[idx], total[idx]
         self.t.append(t)
         self.delta.append(d)
@@ -221,9 +208,7 @@ class _Job:
                 else:
                     tl = MemoryTimeline.load(p)
             self.stage = "summarizing"
-            loaded = _Loaded(tl, 0.0, cached)
-            loaded.parse["seconds"] = round(time.monotonic() - self.started, 3)
-            self.loaded = loaded
+            self.loaded = _Loaded(tl, self.started, cached)
         except (ValueError, KeyError, OSError) as e:
             self.error = Refused(422, json_safe(first_line(e), root))
         except Exception as e:  # noqa: BLE001 - a bug: one line on every request for this file
