@@ -14,11 +14,20 @@ counters, LR scheduler, RNG), on the local disk in a temporary directory. Ratios
                               costs, which the save now does on the bytes on their way out)  /  ``dcp.save``
 * ``sha256_time_vs_dcp``      the same with sha256, what saves recorded before (for comparison)
 * ``async_blocking_vs_sync``  time the training loop is blocked by an async save  /  sync save time
-                              (target <= 0.1; the blocked part is the copy into reused host buffers)
-* ``zero_stall_step_vs_sync`` per-step snapshot time of zero-stall mode  /  sync save time
+                              (target <= 1/60). Measured in a training loop: the copy into reused host
+                              buffers runs beside the next step's forward and backward, and the loop is
+                              blocked for the state-dict capture plus any wait at the next optimizer.step()
+* ``zero_stall_step_vs_sync`` per-step stall of zero-stall mode (a step that snapshots but does not save)
+                              /  sync save time
+* ``zero_stall_step_vs_train_step``  the same stall  /  one training step without checkpointing
 * ``load_vs_safetensors``     workbench full-state load (checksum verification included) and a touch of
                               every tensor  /  ``safetensors.torch.load_file`` of the same tensors + touch
 * ``load_without_verify_vs_safetensors``  the same with ``load(..., verify=False)``
+* ``load_dcp_reader_vs_safetensors``  the same through DCP's own reader (``load(..., direct=False)``: one
+                              ``torch.load`` per item), what loads did before the direct read path
+* ``int8_optimizer_bytes_vs_fp32``  bytes of the optimizer state saved with ``quant="int8"`` (Adam's moments
+                              in int8 + fp32 block scales)  /  the same state in fp32 (target <= 0.27)
+* ``int8_save_time_vs_sync``  that int8 save's time (quantizing included)  /  the fp32 sync save
 
 Page cache: every save ends in fsync, so writes reach the disk; loads read files that were just written
 (page cache warm) on both sides alike. stdout carries exactly one JSON document; progress goes to stderr.
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -47,6 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from workbench.checkpoint import Checkpointer, TrainState, load, save  # noqa: E402
+from workbench.checkpoint.load import checkpoint_shapes  # noqa: E402
 from workbench.checkpoint.store import CHECKSUM, file_digest  # noqa: E402
 from workbench.config import PRESETS  # noqa: E402
 from workbench.models import build_model  # noqa: E402
@@ -90,6 +101,14 @@ def raw_write(tensors: dict[str, torch.Tensor], path: Path) -> float:
     return time.perf_counter() - t0
 
 
+def train_step(state: TrainState, x: torch.Tensor) -> None:
+    F.cross_entropy(state.model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.scheduler.step()
+    state.step += 1
+
+
 def touch(tensors) -> float:
     return float(sum(float(t.float().sum()) for t in tensors))
 
@@ -114,6 +133,19 @@ def one_repeat(preset: str, work: Path) -> dict[str, float]:
     t0 = time.perf_counter()
     save(work / "sync", state)
     r["sync_save_s"] = time.perf_counter() - t0
+    saved_weights = {k: v.clone() for k, v in state.model.state_dict().items()}  # the loads below must match
+
+    # the same state with Adam's moments in int8 (block-wise scales): bytes of the optimizer state
+    t0 = time.perf_counter()
+    save(work / "int8", state, quant="int8")
+    r["int8_save_s"] = time.perf_counter() - t0
+
+    def optim_bytes(ckpt: Path) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for key, (shape, dtype) in checkpoint_shapes(ckpt).items()
+                   if key.startswith("optim."))
+
+    r["optim_bytes_fp32"] = optim_bytes(work / "sync" / "step-000001")
+    r["optim_bytes_int8"] = optim_bytes(work / "int8" / "step-000001")
     for algo in (CHECKSUM, "sha256"):  # what the checksums alone cost, read back with the page cache warm
         t0 = time.perf_counter()
         for f in (work / "sync" / "step-000001").iterdir():
@@ -121,26 +153,33 @@ def one_repeat(preset: str, work: Path) -> dict[str, float]:
                 file_digest(f, algo=algo)
         r["checksum_s" if algo == CHECKSUM else "sha256_s"] = time.perf_counter() - t0
 
+    # Async and zero-stall inside a real training loop: the copy to host buffers runs beside the next step's
+    # forward and backward, and that step's optimizer.step() waits for it. Blocked = the loop's own part of
+    # after_step plus that wait (the Checkpointer's blocking_s), against a loop with no checkpointing.
+    x = torch.randint(0, PRESETS[preset].vocab_size, (2, 65), generator=torch.Generator().manual_seed(0))
+    plain = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        train_step(state, x)
+        plain.append(time.perf_counter() - t0)
+    r["train_step_s"] = min(plain)
     for mode in ("async", "zero_stall"):
-        events: list[dict] = []
-        ckpt = Checkpointer(work / mode, every=1, mode=mode, emit=lambda type, **f: events.append(f))
-        for _ in range(3):  # the first saves allocate the host buffers (zero-stall: two sets); then reuse
-            state.step += 1
+        ckpt = Checkpointer(work / mode, every=2, mode=mode)
+        steps = []
+        for i in range(7):  # saves at 2, 4, 6: the first allocates the host buffers (zero-stall: two sets)
+            if state.step % 2 == 1:
+                ckpt.wait()  # saves are far apart in training: the next one finds the writer idle
             t0 = time.perf_counter()
+            train_step(state, x)
             ckpt.after_step(state)
-            blocked = time.perf_counter() - t0
-            ckpt.wait()  # saves are far apart in training: the next one finds the writer idle
+            steps.append(time.perf_counter() - t0)
         ckpt.close()
-        state.step -= 3
-        r[f"{mode}_blocking_s"] = blocked
-        r[f"{mode}_total_s"] = events[-1]["total_s"]
-    # zero-stall's per-step cost: the snapshot alone (steps that do not persist)
-    ckpt = Checkpointer(work / "zs_steps", every=1000, mode="zero_stall")
-    ckpt.after_step(state)
-    t0 = time.perf_counter()
-    ckpt.after_step(state)
-    r["zero_stall_snapshot_s"] = time.perf_counter() - t0
-    ckpt.close()
+        state.step -= 7
+        r[f"{mode}_blocking_s"] = ckpt.saves[-1]["blocking_s"]
+        r[f"{mode}_total_s"] = ckpt.saves[-1]["total_s"]
+        if mode == "zero_stall":  # the stall of a step that only snapshots (median over the later ones)
+            r["zero_stall_snapshot_s"] = statistics.median(ckpt.stalls[3:])
+            r["zero_stall_train_step_s"] = statistics.median(steps[3:])
 
     save_file({k: v.clone() if v.dim() == 0 else v for k, v in tensors.items()}, str(work / "st.safetensors"))
     t0 = time.perf_counter()
@@ -150,15 +189,22 @@ def one_repeat(preset: str, work: Path) -> dict[str, float]:
 
     target = make_state(preset)
     t0 = time.perf_counter()
-    load(work / "sync", target.model, target.optimizer, scheduler=target.scheduler)
+    res = load(work / "sync", target.model, target.optimizer, scheduler=target.scheduler)
     touch(flat_tensors(target.state_dict(rng=False)).values())
     r["load_s"] = time.perf_counter() - t0
+    assert res.read["path"] == "direct", res.read  # every tensor read straight into place
     target2 = make_state(preset)
     t0 = time.perf_counter()
     load(work / "sync", target2.model, target2.optimizer, scheduler=target2.scheduler, verify=False)
     touch(flat_tensors(target2.state_dict(rng=False)).values())
     r["load_noverify_s"] = time.perf_counter() - t0
-    for k, v in state.model.state_dict().items():  # the benchmark measures a load that is right
+    target3 = make_state(preset)
+    t0 = time.perf_counter()
+    res = load(work / "sync", target3.model, target3.optimizer, scheduler=target3.scheduler, direct=False)
+    touch(flat_tensors(target3.state_dict(rng=False)).values())
+    r["load_dcp_reader_s"] = time.perf_counter() - t0
+    assert res.read["path"] == "dcp"
+    for k, v in saved_weights.items():  # the benchmark measures a load that is right
         assert torch.equal(v, target.model.state_dict()[k]), k
     return r
 
@@ -210,8 +256,12 @@ def main(argv: list[str] | None = None) -> int:
             "sha256_time_vs_dcp": ratio("sha256_s", "dcp_save_s"),
             "async_blocking_vs_sync": ratio("async_blocking_s", "sync_save_s"),
             "zero_stall_step_vs_sync": ratio("zero_stall_snapshot_s", "sync_save_s"),
+            "zero_stall_step_vs_train_step": ratio("zero_stall_snapshot_s", "train_step_s"),
             "load_vs_safetensors": ratio("load_s", "safetensors_load_s"),
             "load_without_verify_vs_safetensors": ratio("load_noverify_s", "safetensors_load_s"),
+            "load_dcp_reader_vs_safetensors": ratio("load_dcp_reader_s", "safetensors_load_s"),
+            "int8_optimizer_bytes_vs_fp32": ratio("optim_bytes_int8", "optim_bytes_fp32"),
+            "int8_save_time_vs_sync": ratio("int8_save_s", "sync_save_s"),
         },
         "seconds": {k: med(k) for k in runs[0] if k.endswith("_s")},
         "throughput_gb_s": {"raw_write": nbytes / 1e9 / med("raw_write_s"), "save": nbytes / 1e9 / med("sync_save_s"),

@@ -141,14 +141,16 @@ def test_bench_checkpoint_quick_prints_one_json_document_of_ratios(repo):
         assert doc["machine"][key], key
     ratios = doc["ratios"]
     assert set(ratios) == {"save_throughput_vs_raw", "save_time_vs_dcp", "checksum_time_vs_dcp", "sha256_time_vs_dcp",
-                           "async_blocking_vs_sync", "zero_stall_step_vs_sync", "load_vs_safetensors",
-                           "load_without_verify_vs_safetensors"}
+                           "async_blocking_vs_sync", "zero_stall_step_vs_sync", "zero_stall_step_vs_train_step",
+                           "load_vs_safetensors", "load_without_verify_vs_safetensors",
+                           "load_dcp_reader_vs_safetensors", "int8_optimizer_bytes_vs_fp32", "int8_save_time_vs_sync"}
     for name, r in ratios.items():
         assert math.isfinite(r["median"]) and r["median"] > 0, name
         assert r["min"] <= r["median"] <= r["max"], name
     s = doc["seconds"]
     assert math.isclose(ratios["async_blocking_vs_sync"]["median"], s["async_blocking_s"] / s["sync_save_s"])
     assert s["async_blocking_s"] < s["async_total_s"]  # the loop was blocked for part of the save only
+    assert ratios["int8_optimizer_bytes_vs_fp32"]["median"] <= 0.27
 
 
 @pytest.mark.multirank

@@ -178,6 +178,31 @@ def test_async_and_zero_stall_saves_hold_the_state_of_their_step(tmp_path):
                 assert torch.equal(fresh.state_dict()[k], v), (mode, step, k)
 
 
+def test_the_next_optimizer_step_waits_for_the_background_copy(tmp_path):
+    """The copy runs beside the next forward/backward; the optimizer step that would overwrite the state
+    waits for it (a slowed copy makes the race certain), and that wait counts as the save's blocking."""
+    for mode in ("async", "zero_stall"):
+        state = _setup()
+        _step(state)
+        ckpt = Checkpointer(tmp_path / mode, every=2, mode=mode)
+        for buffers in ckpt._buffers:
+            real = buffers.stage
+            buffers.stage = lambda sd, real=real: (time.sleep(0.4), real(sd))[1]
+        _step(state)
+        expected = _weights(state)
+        t0 = time.perf_counter()
+        ckpt.after_step(state)
+        returned = time.perf_counter() - t0
+        _step(state)  # its optimizer.step() must wait for the copy before it writes the weights
+        ckpt.close()
+        assert returned < 0.3, (mode, returned)  # the loop went on at once
+        assert ckpt.saves[0]["blocking_s"] >= 0.3, (mode, ckpt.saves)  # and then waited for the copy
+        fresh = build_model(CFG, seed=1)
+        load(tmp_path / mode / "step-000002", fresh)
+        for k, v in expected.items():
+            assert torch.equal(fresh.state_dict()[k], v), (mode, k)
+
+
 def test_a_failing_writer_is_reported_not_silent(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the checkpoint directory should be")

@@ -95,3 +95,14 @@ def test_presets_json(workbench_cli):
     doc = json.loads(res.stdout)
     assert set(doc) >= {"tiny", "small", "llama-7b", "llama-70b"}
     assert 0.8e6 < doc["tiny"]["n_params"] < 1.3e6
+
+
+def test_output_cut_short_by_head_ends_quietly_with_status_0(workbench_cli):
+    """`workbench ... | head`: the reader goes away after a few bytes; no BrokenPipeError, no traceback, exit 0."""
+    proc = subprocess.Popen([*workbench_cli, "plan", "tiny", "--dp-shard", "2", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout.read(10)  # 10 bytes of a ~90 KB document (more than a pipe buffer holds), then close
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert "Error" not in err and "Traceback" not in err, err

@@ -70,7 +70,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         run = launch(args.model, out=out, **where, **settings)
     except ValueError as e:  # e.g. --resume: no complete checkpoint there, or it does not fit the model
         return error(str(e), args.json)
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    deadline = None if args.timeout is None else (time.monotonic() + args.timeout, args.timeout)
     try:
         if args.json:
             _follow_quietly(run, deadline)
@@ -115,19 +115,20 @@ def _span(ranks) -> str:
     return rank_span(ranks) if ranks else "?"
 
 
-def _check_deadline(run, deadline: float | None) -> None:
-    if deadline is not None and time.monotonic() > deadline:
+def _check_deadline(run, deadline: tuple[float, float] | None) -> None:
+    if deadline is not None and time.monotonic() > deadline[0]:
         run.stop()
-        raise TimeoutError(f"run did not finish within the --timeout; all ranks were stopped ({run.run_dir})")
+        raise TimeoutError(f"run did not finish within --timeout {deadline[1]:g} s; all ranks were stopped "
+                           f"({run.run_dir}); raise --timeout or lower --steps")
 
 
-def _follow_quietly(run, deadline: float | None) -> None:
+def _follow_quietly(run, deadline: tuple[float, float] | None) -> None:
     while not run.done:
         _check_deadline(run, deadline)
         time.sleep(0.1)
 
 
-def _follow_with_progress(run, deadline: float | None) -> None:
+def _follow_with_progress(run, deadline: tuple[float, float] | None) -> None:
     from tqdm.auto import tqdm
 
     node = run.job.nodes
@@ -135,15 +136,17 @@ def _follow_with_progress(run, deadline: float | None) -> None:
     bar = tqdm(total=run.job.train.steps, desc=f"{run.job.model.name} [{run.job.parallel.describe()}]{where}",
                unit="step")
     started: set[int] = set()  # every local rank starts before any finishes a step (a step's collectives need all)
-    for event in run.events():
-        _check_deadline(run, deadline)
-        if event["type"] == "start":
-            started.add(event["rank"])
-        # rank 0 on one node; this node's first rank on the others
-        if event["type"] == "step" and event["rank"] == min(started, default=event["rank"]):
-            bar.set_postfix(loss=f"{event['loss']:.4f}", tok_s=f"{event['tokens_per_s']:.0f}", refresh=False)
-            bar.update(1)
-    bar.close()
+    try:
+        for event in run.events():
+            _check_deadline(run, deadline)
+            if event["type"] == "start":
+                started.add(event["rank"])
+            # rank 0 on one node; this node's first rank on the others
+            if event["type"] == "step" and event["rank"] == min(started, default=event["rank"]):
+                bar.set_postfix(loss=f"{event['loss']:.4f}", tok_s=f"{event['tokens_per_s']:.0f}", refresh=False)
+                bar.update(1)
+    finally:
+        bar.close()  # ends the bar's line, so a message after it (a timeout, an error) starts on its own
 
 
 # --------------------------------------------------------------------------------------------------
@@ -213,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     except MissingTorchAPI as e:  # a feature this torch cannot run (workbench doctor lists them)
         return error(f"{e}; this command needs it (see `workbench doctor`)", getattr(args, "json", False),
                      EXIT_FAILED)
-    except BrokenPipeError:  # `workbench ... | head` closed stdout early: end quietly, like other tools
+    except BrokenPipeError:  # `workbench ... | head` closed stdout early: end quietly and well, like other tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
-        return EXIT_FAILED
+        return 0
 
 
 if __name__ == "__main__":

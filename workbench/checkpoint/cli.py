@@ -81,6 +81,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"step {s['step']}  layout {s['layout_description'] or '-'}  ranks {s['world_size'] or '-'}  "
           f"{s['n_tensors']} tensors  {format_bytes(s['total_bytes'])}  files {s['n_files']}")
     print("  " + "  ".join(f"{k} {format_bytes(b)}" for k, b in s["bytes_by_kind"].items()))
+    if s.get("quant"):
+        from workbench.checkpoint.quant import describe
+
+        print("  " + describe(s["quant"]))
     print()
     rows = frame if args.all else frame.head(args.limit)
     width = max([len(k) for k in rows["key"]] + [3])
@@ -110,6 +114,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if report.ok:
             checked = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in report.checked.items())
             print(f"ok: {report.path} ({report.format}): {checked}")
+            if report.quant:
+                print(f"  {report.quant}")
     return 0 if report.ok else EXIT_FAILED
 
 
@@ -145,7 +151,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     include = ["model"] + [checkpoint_kind(k) for k in (args.include or "").split(",") if k.strip()]
     result = export(args.src, args.dst, to=args.to, include=include, max_shard_size=args.max_shard_size,
-                    names=args.names, overwrite=args.force, progress=_progress(args))
+                    names=args.names, overwrite=args.force, progress=_progress(args), keep_quant=args.keep_quant)
     if args.json:
         emit_json({"status": "ok", **result.to_dict()})
     else:
@@ -220,6 +226,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--names", choices=["workbench", "hf-llama"], default="workbench",
                    help="weight names: this model's FQNs, or Hugging Face Llama names (q/k permuted for RoPE)")
     c.add_argument("--force", action="store_true", help="replace DST if it exists")
+    c.add_argument("--keep-quant", action="store_true", help="optimizer state saved quantized (--ckpt-quant): "
+                   "export it as stored (<key>.q + <key>.qscale) instead of dequantized to fp32")
 
     from workbench.settings import add_arguments
 

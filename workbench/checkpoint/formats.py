@@ -390,7 +390,7 @@ def _hf_config(cfg, dtype: str = "float32") -> dict[str, Any]:
 
 def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] = ("model",),
            max_shard_size: int | str = "2GB", names: str = "workbench", overwrite: bool = False,
-           progress: bool = True) -> ExportResult:
+           progress: bool = True, keep_quant: bool = False) -> ExportResult:
     """Convert ``src`` (any checkpoint) to ``to``, streaming tensor by tensor.
 
     ``to``: ``hf`` (a directory of ``<set>-0000i-of-0000n.safetensors`` + ``<set>.safetensors.index.json`` per
@@ -398,6 +398,8 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
     torch.save file) or ``dcp`` (a single-writer DCP directory, from a non-DCP source). ``include``: the
     kinds to export ("model", "optimizer", "master", "rng", "extra"). ``names``: "workbench" or "hf-llama"
     (applies to weights; optimizer state keeps its workbench keys). A failed export removes ``dst``.
+    Optimizer state saved quantized (``--ckpt-quant``) is exported dequantized to fp32 under its own keys,
+    or, with ``keep_quant``, as stored (``<key>.q`` + ``<key>.qscale``).
     """
     if to not in FORMATS:
         raise ValueError(f"unknown format {to!r}; choose one of {list(FORMATS)}")
@@ -407,6 +409,19 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
     source = open_source(src)
     m = source.manifest
     rows = [r for r in source.canonical_rows() if r["kind"] in include]
+    dequant: dict[str, tuple[str, str, bool]] = {}  # fp32 key -> (q key, scale key, on its square root)
+    if m.quant and not keep_quant:
+        from workbench.checkpoint.quant import SCALE, Q, is_sqrt
+
+        by_key = {r["key"]: r for r in rows}
+        for key in m.quant["keys"]:
+            q = by_key.pop(key + Q, None)
+            by_key.pop(key + SCALE, None)
+            if q is not None:
+                numel = int(math.prod(q["shape"]))
+                by_key[key] = {**q, "key": key, "dtype": "float32", "bytes": numel * 4}
+                dequant[key] = (key + Q, key + SCALE, is_sqrt(key))
+        rows = sorted(by_key.values(), key=lambda r: r["key"])
     if not rows:
         raise ValueError(f"{m.path} has no tensors of kind(s) {include}; it holds "
                          f"{sorted(set(m.tensors()['kind']))}")
@@ -423,6 +438,11 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
         meta["step"] = str(m.step)
 
     def fetch(canon: str) -> torch.Tensor:
+        if canon in dequant:
+            from workbench.checkpoint.quant import dequantize
+
+            qk, sk, sqrt = dequant[canon]
+            return dequantize(source.get(qk), source.get(sk), sqrt)
         t = source.get(canon)
         heads = _heads_for(canon.removeprefix("model."), model_cfg) if names == "hf-llama" else None
         return _rope_permute(t, heads, to_hf=True) if heads else t

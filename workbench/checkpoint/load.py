@@ -34,8 +34,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from workbench.checkpoint import quant
 from workbench.checkpoint.safeload import SafeFileSystemReader, read_dcp_metadata
 from workbench.checkpoint.state import TrainState
 from workbench.checkpoint.store import MANIFEST, BackgroundVerify, read_manifest, resolve_checkpoint
@@ -92,11 +94,16 @@ class LoadResult:
     kinds: list[str]
     skipped: list[str] = field(default_factory=list)  # keys asked for but not in the checkpoint
     manifest: dict[str, Any] = field(default_factory=dict)
+    # How this rank's tensors were read (directread.ReadStats.to_dict()): "path" is "direct" (every item
+    # read straight into place), "direct+narrow" (some items were parts of saved chunks: the layout
+    # changed), "mixed" or "dcp" (items DCP's torch.load path read; "dcp_reasons" says why).
+    read: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": str(self.path), "step": self.step, "consumed_samples": self.consumed_samples,
                 "kinds": self.kinds, "skipped": self.skipped,
-                "saved_layout": self.manifest.get("layout"), "saved_world_size": self.manifest.get("world_size")}
+                "saved_layout": self.manifest.get("layout"), "saved_world_size": self.manifest.get("world_size"),
+                "read": self.read, "quant": (self.manifest.get("quant") or {}).get("mode", "none")}
 
     def _repr_html_(self) -> str:
         rows = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
@@ -127,7 +134,8 @@ def _resolve_everywhere(path: str | Path, group, verify: bool) -> Path:
 
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         scheduler=None, ema=None, rng: bool = False, process_group=None, verify: bool = True) -> LoadResult:
+         scheduler=None, ema=None, rng: bool = False, process_group=None, verify: bool = True,
+         direct: bool = True) -> LoadResult:
     """Load a checkpoint into ``model`` as it is laid out now (any layout); with ``optimizer``, the full state.
 
     ``path``: a ``step-NNNNNN`` directory, a ``checkpoints/`` directory or a run directory (its newest
@@ -136,7 +144,10 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     ``scheduler``, ``ema``, ``rng``) restore the rest of the train state. ``verify``: check every file's
     checksum against the manifest (rank 0, on a thread, while every rank reads). A mismatch is refused
     before the optimizer, scheduler and RNG take the values; a run or checkpoints directory then falls back
-    to its newest intact step and loads that. Returns a :class:`LoadResult`.
+    to its newest intact step and loads that. ``direct``: read tensor bytes straight into place
+    (:mod:`workbench.checkpoint.directread`; DCP still plans which saved chunks each tensor needs);
+    False: DCP's reader, one ``torch.load`` per item. Returns a :class:`LoadResult`, whose ``read`` says
+    which path the bytes took.
     """
     group = _group(process_group)
     ckpt = _resolve_everywhere(path, group, verify=False)  # sizes now; checksums overlap the read below
@@ -147,6 +158,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     metadata = read_metadata(ckpt)
     shapes = checkpoint_shapes(ckpt, metadata)
     check_model_fits(ckpt, targets["model"], shapes=shapes)
+    quantized = quant.load_targets(targets, shapes)  # moments saved as int8/fp8 + scales: read those
     skipped: list[str] = []
     for key, container, sub in list(_leaves(targets)):
         if key in shapes:
@@ -162,9 +174,14 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         del targets[kind]
     reader = SafeFileSystemReader(ckpt)
     reader._cached = metadata  # read once above; DCP asks for it again
+    reader.direct = direct
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load(targets, storage_reader=reader, process_group=group, no_dist=group is None)
+        try:
+            dcp.load(targets, storage_reader=reader, process_group=group, no_dist=group is None)
+            read_error = None
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged file: the checksums say which
+            read_error = e
     damaged: list[Any] = [checker.result() if checker is not None else None]
     if group is not None and dist.get_world_size(group) > 1 and verify:
         dist.broadcast_object_list(damaged, src=dist.get_global_rank(group, 0), group=group)
@@ -173,7 +190,10 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         # hashed before this second load, as it is only read after a damaged one).
         intact = _resolve_everywhere(path, group, verify=True)
         return load(intact, model, optimizer, scheduler=scheduler, ema=ema, rng=rng, process_group=process_group,
-                    verify=False)
+                    verify=False, direct=direct)
+    if read_error is not None:
+        raise _one_line(ckpt, read_error) from read_error
+    quant.dequantize_loaded(targets, quantized)
     targets.setdefault("extra", {})
     state.apply_loaded(targets)
     if ema is not None and any(k.startswith("ema.") for k in skipped):
@@ -182,7 +202,26 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     step = state.step if "extra" in targets and "step" in targets["extra"] else int(manifest.get("step", 0))
     consumed = state.consumed_samples if "consumed_samples" in targets.get("extra", {}) else \
         int(manifest.get("consumed_samples", 0))
-    return LoadResult(ckpt, step, consumed, sorted(targets), skipped, manifest)
+    stats = getattr(reader, "stats", None)
+    return LoadResult(ckpt, step, consumed, sorted(targets), skipped, manifest, stats.to_dict() if stats else {})
+
+
+def _one_line(ckpt: Path, e: BaseException) -> ValueError:
+    """A read failure as one line naming the checkpoint and the first cause (DCP wraps rank errors)."""
+    from workbench.checkpoint.safeload import CheckpointFormatError
+
+    cause: BaseException = e
+    for _ in range(5):  # DCP's CheckpointException holds {rank: (exception, traceback)}
+        failures = getattr(cause, "failures", None)
+        if not failures:
+            break
+        first = next(iter(failures.values()))
+        cause = first[0] if isinstance(first, tuple) else first
+    if isinstance(cause, CheckpointFormatError):
+        return cause
+    text = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    return ValueError(f"{ckpt}: could not be read ({type(cause).__name__}: {text}); run `workbench ckpt verify "
+                      f"{ckpt}` to find the damaged file, or load another step")
 
 
 def _has_leaf(d: dict) -> bool:

@@ -164,7 +164,14 @@ class CheckpointManifest(RendersInNotebook):
             "n_tensors": int(len(t)), "n_entries": int(len(self.frame)), "total_bytes": int(t["bytes"].sum()),
             "bytes_by_kind": by_kind, "n_params_model": int(sum(_numel(s) for s in t.loc[t["kind"] == "model", "shape"])),
             "dtypes": sorted(set(t["dtype"])), "n_files": len(self.files),
+            "quant": self.quant,
         }
+
+    @property
+    def quant(self) -> dict[str, Any] | None:
+        """What of the optimizer state is stored quantized (workbench.json's ``quant``), or None."""
+        q = self.info.get("quant")
+        return q if isinstance(q, dict) and q.get("mode", "none") != "none" and q.get("keys") else None
 
     def to_dict(self) -> dict[str, Any]:
         rows = []
@@ -185,6 +192,10 @@ class CheckpointManifest(RendersInNotebook):
                 f"step {s['step']} &middot; {s['n_tensors']} tensors &middot; {format_bytes(s['total_bytes'])}"
                 + (f" &middot; layout {html.escape(s['layout_description'])}" if s["layout_description"] else "")
                 + (f" &middot; {s['world_size']} ranks" if s["world_size"] else ""))
+        if s["quant"]:
+            from workbench.checkpoint.quant import describe
+
+            head += f"<br>{html.escape(describe(s['quant']))}"
         table = self.frame[["key", "dtype", "shape", "bytes", "kind"]].head(40).to_html(index=False)
         more = f"<i>... {len(self.frame) - 40} more rows (to_frame())</i>" if len(self.frame) > 40 else ""
         return f"<div>{head}<table>{kinds}</table>{table}{more}</div>"

@@ -37,11 +37,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter  # the former: a BaseException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
-from workbench.checkpoint.state import TrainState
+from workbench.checkpoint.quant import check_mode as check_quant
+from workbench.checkpoint.quant import plan as quant_plan
+from workbench.checkpoint.quant import quantize_state
+from workbench.checkpoint.state import TrainState, encode_state
 from workbench.checkpoint.store import CHECKSUM, FORMAT, VERSION, CheckpointStore, file_digest, new_hash
 
 __all__ = ["EMA", "Checkpointer", "CheckpointError", "HostBuffers", "HashingFileSystem", "save", "manifest_base"]
@@ -106,6 +109,15 @@ class HostBuffers:
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
         self.nbytes = 0
+        self._streams: dict[torch.device, Any] = {}  # CUDA: one copy stream per device
+        self._copy_streams: dict[torch.device, Any] = {}
+
+    def _copy(self, buf: torch.Tensor, src: torch.Tensor) -> None:
+        if src.is_cuda:
+            with torch.cuda.stream(self._copy_streams[src.device]):
+                buf.copy_(src.detach(), non_blocking=True)
+        else:
+            buf.copy_(src.detach())
 
     def _buffer(self, key: str, local: torch.Tensor) -> torch.Tensor:
         buf = self.buffers.get(key)
@@ -117,9 +129,25 @@ class HostBuffers:
         return buf
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """Copy every tensor of ``sd`` into the buffers; returns when the bytes have landed.
+
+        CUDA tensors are copied on a side stream of their device that first waits for the work queued so far
+        (the step that produced the values), so the copy overlaps later compute; may run on any thread.
+        """
+        devices = {t.device for t in _tensors(sd) if t.is_cuda}
+        if not devices:
+            return self._stage(sd, "")
+        streams = {}
+        for dev in devices:
+            side = self._streams.get(dev)
+            if side is None:
+                side = self._streams[dev] = torch.cuda.Stream(device=dev)
+            side.wait_stream(torch.cuda.default_stream(dev))
+            streams[dev] = side
+        self._copy_streams = streams
         out = self._stage(sd, "")
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.current_stream().synchronize()  # the async copies must land before the writer reads
+        for side in streams.values():
+            side.synchronize()  # the async copies must land before the writer reads
         return out
 
     def _stage(self, sd: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -131,17 +159,27 @@ class HostBuffers:
             elif isinstance(v, DTensor):
                 local = v.to_local()
                 buf = self._buffer(key, local)
-                buf.copy_(local.detach(), non_blocking=local.is_cuda)
+                self._copy(buf, local)
                 out[k] = DTensor.from_local(buf, v.device_mesh, v.placements, run_check=False,
                                             shape=v.shape, stride=v.stride())
             elif isinstance(v, torch.Tensor):
                 buf = self._buffer(key, v)
-                buf.copy_(v.detach(), non_blocking=v.is_cuda)
+                self._copy(buf, v)
                 out[k] = buf
             else:
                 raise TypeError(f"checkpoint state {key!r} is a {type(v).__name__}, not a tensor; "
                                 "store it as a tensor (loading never unpickles objects)")
         return out
+
+
+def _tensors(sd: dict[str, Any]):
+    for v in sd.values():
+        if isinstance(v, dict):
+            yield from _tensors(v)
+        elif isinstance(v, DTensor):
+            yield v.to_local()
+        elif isinstance(v, torch.Tensor):
+            yield v
 
 
 def _check_tensors(sd: dict[str, Any], prefix: str = "") -> None:
@@ -237,6 +275,39 @@ class HashingFileSystem(FileSystem):
                 self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
 
 
+_crc_lock = threading.Lock()
+_crc_users = 0
+
+
+@contextmanager
+def _no_zip_crc32():
+    """``torch.save`` without the zip records' CRC-32 while DCP writes (each tensor item is a torch.save
+    archive). The CRC-32 cost 0.17-0.28 s of a 305 MB save here, more than the writes' Python overhead,
+    and it is redundant: every file's XXH3-128 goes into the manifest as it is written. ``torch.load``
+    reads such archives as usual (it does not check record CRCs); a generic unzip would warn.
+    """
+    global _crc_users
+    setter = getattr(torch.serialization, "set_crc32_options", None)  # public since torch 2.5
+    if setter is None:
+        yield
+        return
+    with _crc_lock:
+        if _crc_users == 0:
+            _crc_users_restore[0] = torch.serialization.get_crc32_options()
+            setter(False)
+        _crc_users += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_users -= 1
+            if _crc_users == 0:
+                setter(_crc_users_restore[0])
+
+
+_crc_users_restore = [True]
+
+
 # -- one save --------------------------------------------------------------------------------------
 
 
@@ -252,7 +323,7 @@ def _write_and_publish(sd: dict[str, Any], store: CheckpointStore, step: int, no
         store.root.mkdir(parents=True, exist_ok=True)
         store.clean_stale(keep_tmp=tmp.name)
     tmp.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+    with warnings.catch_warnings(), _no_zip_crc32():  # "assuming the intent is to save in a single process"
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         writer = FileSystemWriter(tmp, sync_files=True, thread_count=WRITE_THREADS)
         writer.fs = HashingFileSystem()
@@ -283,11 +354,13 @@ def _write_and_publish(sd: dict[str, Any], store: CheckpointStore, step: int, no
 
 
 def save(path: str | Path, state: TrainState, manifest: dict | None = None, *, process_group=None,
-         keep: int | None = None, keep_every: int = 0) -> Path:
+         keep: int | None = None, keep_every: int = 0, quant: str | None = None) -> Path:
     """Synchronously save ``state`` as ``<path>/step-NNNNNN/`` (``path`` is the checkpoints dir).
 
     Works without a process group (one process). All ranks of ``process_group`` must call it.
+    ``quant``: "int8" or "fp8" stores Adam's moments quantized (:mod:`workbench.checkpoint.quant`).
     """
+    mode = check_quant(quant)
     group = process_group if dist.is_initialized() else None
     if dist.is_initialized() and group is None:
         group = dist.group.WORLD
@@ -296,8 +369,10 @@ def save(path: str | Path, state: TrainState, manifest: dict | None = None, *, p
     nonce = _shared_nonce(group)
     sd = state.state_dict()
     _check_tensors(sd)
+    qinfo = quant_plan(sd, mode)
+    sd = quantize_state(sd, qinfo)
     base = {**manifest_base(world, kinds=state.kinds(), ema=state.ema is not None), **(manifest or {}),
-            "consumed_samples": state.consumed_samples, "world_size": world}
+            "consumed_samples": state.consumed_samples, "world_size": world, "quant": qinfo}
     store = CheckpointStore(Path(path))
     out = _write_and_publish(sd, store, state.step, nonce, base, rank, world, group, keep, keep_every)
     return Path(out["path"]) if rank == 0 else store.path(state.step)
@@ -329,17 +404,59 @@ def _shared_nonce(group) -> str:
 # -- the trainer's checkpointer ------------------------------------------------------------------
 
 
+class _Staging:
+    """One copy of the train state into a host buffer set, running on the staging thread.
+
+    ``done`` is set when every byte has landed (or the copy failed: ``error``). ``wait_s`` is how long the
+    training loop waited for it (at its next optimizer step, or at the next save).
+    """
+
+    def __init__(self, step: int, buffer: int):
+        self.step, self.buffer = step, buffer
+        self.quant: dict[str, Any] = {}
+        self.done = threading.Event()
+        self.sd: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.copy_s = 0.0
+        self.wait_s = 0.0
+        self.loop_s = 0.0  # the loop's own part of the save (capture, hand-off)
+        self.done_t: float | None = None  # perf_counter() when the copy landed
+        self.waiter_t: float | None = None  # ... when the loop started waiting for it, if it did
+
+    def blocking_s(self) -> float:
+        """The loop's part plus its wait for the copy (known exactly once the copy landed: a waiter that
+        came before the copy landed registered itself first)."""
+        waited = self.done_t - self.waiter_t if self.waiter_t is not None and self.done_t is not None else 0.0
+        return self.loop_s + max(0.0, waited)
+
+    def result(self) -> dict[str, Any]:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.sd
+
+
 class Checkpointer:
     """Periodic saves for a training loop: ``after_step(state)`` once per step, ``close()`` at the end.
 
     ``every``: save when ``state.step % every == 0``; ``mode``: "sync", "async" or "zero_stall".
     ``emit(type, **fields)`` receives the ``checkpoint`` events (rank 0 emits them).
+
+    Async and zero-stall saves copy the state to host buffers on a staging thread while the loop goes on
+    with the next step's forward and backward, which read the weights and optimizer state but do not write
+    them. The first thing that writes them is the next ``optimizer.step()``: a pre-step hook on the
+    optimizer waits there until the copy has landed. What the loop is blocked for (``blocking_s``) is the
+    capture of the small state on its own thread (step counters, RNG, scheduler) plus that wait, which is
+    zero when forward and backward take longer than the copy. Without an optimizer (nothing to hook) the
+    copy runs on the loop's thread.
     """
 
     def __init__(self, root: str | Path, *, every: int, mode: str = "sync", keep: int | None = None,
-                 keep_every: int = 0, manifest: dict | None = None, emit: Callable[..., Any] | None = None):
+                 keep_every: int = 0, manifest: dict | None = None, emit: Callable[..., Any] | None = None,
+                 quant: str | None = None):
         if mode not in ("sync", "async", "zero_stall"):
             raise ValueError(f"checkpoint mode={mode!r} is unknown; choose sync, async or zero_stall")
+        self.quant = check_quant(quant)
         self.store = CheckpointStore(Path(root))
         self.every, self.mode, self.keep, self.keep_every = every, mode, keep, keep_every
         self.manifest = manifest or {}
@@ -350,15 +467,21 @@ class Checkpointer:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self.nonce = _shared_nonce(self.group)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer") if mode != "sync" else None
+        background = mode != "sync"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer") if background else None
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-stage") if background else None
         self._inflight: Future | None = None
         self._failure: str | None = None
         self._buffers = [HostBuffers()] + ([HostBuffers()] if mode == "zero_stall" else [])
-        self._snap: dict[str, Any] | None = None  # zero-stall: the newest snapshot,
-        self._snap_index = 0  # the buffer set the next snapshot goes to,
-        self._snap_buffer = 0  # and the set the newest snapshot is in
+        self._staging: _Staging | None = None  # the newest copy the loop has not yet waited for
+        self._snap: _Staging | None = None  # zero-stall: the newest snapshot,
+        self._snap_index = 0  # and the buffer set the next snapshot goes to
+        self._hooked: set[int] = set()  # ids of the optimizers whose step waits for the copy
+        self._hooks: list[Any] = []
         self._lock = threading.Lock()
         self.saves: list[dict[str, Any]] = []
+        self.stalls: list[float] = []  # seconds the loop was blocked, one entry per after_step that staged
+        self._unreported = 0.0  # stall seconds not yet taken by take_stall()
 
     # -- failure handling ------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
@@ -371,10 +494,75 @@ class Checkpointer:
         if self._inflight is not None:
             try:
                 self._inflight.result()
-            except Exception:  # noqa: BLE001 - already recorded by the writer job
+            except (Exception, CheckpointException):  # noqa: BLE001 - already recorded by the writer job
                 pass
             self._inflight = None
         self._raise_if_failed()
+
+    # -- staging ----------------------------------------------------------------------------------
+    def _hook(self, state: TrainState) -> bool:
+        """Make the optimizer's next step wait for the copy in flight. False: no optimizer to hook."""
+        if state.optimizer is None:
+            return False
+        from workbench.checkpoint.state import local_optimizer
+
+        opt = local_optimizer(state.optimizer)
+        if id(opt) not in self._hooked:
+            self._hooks.append(opt.register_step_pre_hook(self._before_optimizer_step))
+            self._hooked.add(id(opt))
+        return True
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        self._unreported += self._wait_staged(count=True)
+
+    def take_stall(self) -> float:
+        """Seconds the loop lost to checkpointing since the last call: the last ``after_step``'s own time
+        plus any wait for its copy at the optimizer step since. The trainer puts it in each step event."""
+        out, self._unreported = self._unreported, 0.0
+        return out
+
+    def _wait_staged(self, count: bool = False) -> float:
+        """Block until the newest copy has landed. ``count``: the seconds waited count against its save."""
+        rec, self._staging = self._staging, None
+        if rec is None or rec.done.is_set():
+            return 0.0
+        t0 = rec.waiter_t = time.perf_counter()
+        rec.done.wait()
+        rec.wait_s = time.perf_counter() - t0
+        if count and self.stalls:
+            self.stalls[-1] += rec.wait_s
+        return rec.wait_s
+
+    def _stage(self, state: TrainState, buffer: int) -> _Staging:
+        """Start copying ``state`` into buffer set ``buffer``: on the staging thread when an optimizer step
+        can wait for it, else here. The state dict (references, plus fresh RNG, scheduler and step tensors)
+        is taken now, on the loop's thread."""
+        rec = _Staging(state.step, buffer)
+        # References to the live tensors, taken here: FSDP2 swaps the modules' parameters for unsharded ones
+        # during forward and backward, so the state dict cannot be built on another thread meanwhile.
+        sd = state.state_dict(encode=False)  # hyperparameters stay Python values until the staging thread
+        rec.quant = quant_plan(sd, self.quant)  # from shapes only: cheap, and the same on every rank
+
+        def copy() -> None:
+            t0 = time.perf_counter()
+            try:
+                full = encode_state(sd)
+                _check_tensors(full)
+                rec.sd = self._buffers[buffer].stage(quantize_state(full, rec.quant))
+            except BaseException as exc:  # noqa: BLE001 - surfaced by the writer job and the next call
+                rec.error = exc
+            finally:
+                rec.done_t = time.perf_counter()
+                rec.copy_s = rec.done_t - t0
+                rec.done.set()
+
+        if self._stager is not None and self._hook(state):
+            self._wait_staged()  # one copy at a time per buffer set (the thread runs them in order anyway)
+            self._staging = rec
+            self._stager.submit(copy)
+        else:
+            copy()
+        return rec
 
     # -- the loop's calls ------------------------------------------------------------------------
     def after_step(self, state: TrainState) -> None:
@@ -384,18 +572,17 @@ class Checkpointer:
             t0 = time.perf_counter()
             if due:  # at most one save in flight (the snapshot below goes to the set it is not writing)
                 self._wait_inflight()
-            self._snapshot(state)
+            self.stalls.append(0.0)
+            self._snap = self._stage(state, self._snap_index)
+            self._snap.loop_s = time.perf_counter() - t0
+            self.stalls[-1] += self._snap.loop_s
+            self._unreported += self._snap.loop_s
             if due:
-                self._submit(self._snap, state, time.perf_counter() - t0, t0)
+                self._submit(self._snap, state, t0)
+                self._snap_index = 1 - self._snap.buffer  # next snapshots go to the other buffer set
             return
         if due:
             self.save(state)
-
-    def _snapshot(self, state: TrainState) -> None:
-        # Write into the set the writer is not using: the other one than the last handed over.
-        buf = self._buffers[self._snap_index]
-        self._snap = buf.stage(state.state_dict())
-        self._snap_buffer = self._snap_index
 
     def save(self, state: TrainState) -> None:
         t0 = time.perf_counter()
@@ -403,32 +590,38 @@ class Checkpointer:
             self._raise_if_failed()
             sd = state.state_dict()
             _check_tensors(sd)
+            qinfo = quant_plan(sd, self.quant)
             try:
-                self._run_job(sd, self._manifest(state), t0, blocking_s=None)
-            except Exception as exc:  # noqa: BLE001
+                self._run_job(quantize_state(sd, qinfo), {**self._manifest(state), "quant": qinfo}, t0)
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001
                 self._failure = None
                 raise CheckpointError(f"checkpoint at step {state.step} failed: {type(exc).__name__}: {exc}") from exc
             return
         self._wait_inflight()
-        sd = self._buffers[0].stage(state.state_dict())
-        self._submit(sd, state, time.perf_counter() - t0, t0)
+        self.stalls.append(0.0)
+        rec = self._stage(state, 0)
+        rec.loop_s = time.perf_counter() - t0
+        self.stalls[-1] += rec.loop_s
+        self._unreported += rec.loop_s
+        self._submit(rec, state, t0)
 
-    def _submit(self, sd: dict, state: TrainState, blocking_s: float, t0: float) -> None:
-        self._inflight = self._pool.submit(self._run_job, sd, self._manifest(state), t0, blocking_s)
-        if self.mode == "zero_stall":  # next snapshots go to the other buffer set
-            self._snap_index = 1 - self._snap_buffer
+    def _submit(self, rec: _Staging, state: TrainState, t0: float) -> None:
+        self._inflight = self._pool.submit(self._run_job, rec, {**self._manifest(state), "quant": rec.quant}, t0)
 
     def _manifest(self, state: TrainState) -> dict[str, Any]:
         base = manifest_base(self.world, kinds=state.kinds(), ema=state.ema is not None)
         return {**base, **self.manifest, "step": state.step, "consumed_samples": state.consumed_samples,
                 "world_size": self.world}
 
-    def _run_job(self, sd: dict, manifest: dict, t0: float, blocking_s: float | None) -> None:
+    def _run_job(self, sd: dict | _Staging, manifest: dict, t0: float) -> None:
         step = manifest["step"]
+        rec = sd if isinstance(sd, _Staging) else None
         try:
+            if rec is not None:
+                sd = rec.result()
             out = _write_and_publish(sd, self.store, step, self.nonce, manifest, self.rank, self.world,
                                      self.group, self.keep, self.keep_every)
-        except Exception as exc:  # noqa: BLE001 - surfaced as an event now and an error at the next call
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - surfaced as an event now and an error at the next call
             msg = f"checkpoint at step {step} failed: {type(exc).__name__}: {exc}"
             with self._lock:
                 self._failure = msg
@@ -437,9 +630,10 @@ class Checkpointer:
             raise
         total = time.perf_counter() - t0
         if self.rank == 0:
-            record = {"step": step, "path": out["path"], "bytes": out["bytes"],
-                      "blocking_s": total if blocking_s is None else blocking_s, "total_s": total,
-                      "async": self.mode != "sync", "mode": self.mode, "status": "published"}
+            # blocking: sync, the whole save; else the loop's capture plus its wait for the copy
+            blocking = total if rec is None else rec.blocking_s()
+            record = {"step": step, "path": out["path"], "bytes": out["bytes"], "blocking_s": blocking,
+                      "total_s": total, "async": self.mode != "sync", "mode": self.mode, "status": "published"}
             if out.get("rotated"):
                 record["rotated"] = out["rotated"]
             self.saves.append(record)
@@ -447,13 +641,20 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is published; raise CheckpointError if it failed."""
+        self._wait_staged()
         self._wait_inflight()
 
     def close(self) -> None:
         """Wait for the save in flight (raising its error, if any) and stop the writer thread."""
         try:
+            self._wait_staged()
             self._wait_inflight()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            for h in self._hooks:
+                h.remove()
+            self._hooks, self._hooked = [], set()
+            for pool in (self._stager, self._pool):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._stager = self._pool = None
+

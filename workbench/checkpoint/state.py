@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -47,7 +48,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from workbench.kinds import KEY_PREFIXES
 
 __all__ = ["TrainState", "model_view", "local_optimizer", "capture_rng", "restore_rng", "KINDS",
-           "encode_hyper", "decode_hyper"]
+           "encode_hyper", "decode_hyper", "encode_optim", "encode_state"]
 
 KINDS = KEY_PREFIXES  # the key prefixes a save writes, in order (see workbench.kinds)
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -100,6 +101,16 @@ def encode_hyper(value: Any) -> torch.Tensor | None:
     if isinstance(value, (tuple, list)) and value and all(isinstance(v, (int, float)) for v in value):
         return torch.tensor([float(v) for v in value], dtype=torch.float64)
     return None
+
+
+def encode_optim(osd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A flattened optimizer state dict with every value a tensor (values that have none are dropped)."""
+    return {k: t for k, v in osd.items() if (t := encode_hyper(v)) is not None}
+
+
+def encode_state(sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` from ``TrainState.state_dict(encode=False)`` with the hyperparameters encoded as tensors."""
+    return {**sd, "optim": encode_optim(sd["optim"])} if "optim" in sd else sd
 
 
 def decode_hyper(tensor: torch.Tensor, like: Any) -> Any:
@@ -202,11 +213,16 @@ class TrainState:
         return {"step": torch.tensor(self.step, dtype=torch.int64),
                 "consumed_samples": torch.tensor(self.consumed_samples, dtype=torch.int64)}
 
-    def state_dict(self, rng: bool = True) -> dict[str, Any]:
-        """Nested dict of live tensors: {"model": ..., "optim": ..., "ema"?, "sched"?, "rng", "extra"}."""
-        sd: dict[str, Any] = {"model": self.model_state()}
-        if self.optimizer is not None:
-            sd["optim"] = {k: t for k, v in self.optim_state().items() if (t := encode_hyper(v)) is not None}
+    def state_dict(self, rng: bool = True, encode: bool = True) -> dict[str, Any]:
+        """Nested dict of live tensors: {"model": ..., "optim": ..., "ema"?, "sched"?, "rng", "extra"}.
+
+        ``encode=False`` leaves the optimizer's hyperparameters as the Python values they are (plain values,
+        safe to read later on another thread); :func:`encode_state` turns them into tensors."""
+        if self.optimizer is not None:  # one call: torch maps parameters to FQNs once for both
+            msd, osd = get_state_dict(self.view, local_optimizer(self.optimizer), options=_OPTIONS)
+            sd: dict[str, Any] = {"model": msd, "optim": encode_optim(osd) if encode else osd}
+        else:
+            sd = {"model": self.model_state()}
         if self.ema is not None:
             sd["ema"] = self.ema.state_dict()
         if self.scheduler is not None:

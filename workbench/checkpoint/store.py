@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import shutil
@@ -85,9 +86,22 @@ def file_digest(path: str | Path, fsync: bool = False, algo: str = "sha256") -> 
     h = _HASHERS[algo]()
     n = 0
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            n += len(chunk)
+        size = os.fstat(f.fileno()).st_size
+        if size and not fsync:
+            # Hash the page cache's pages in place (no copy into Python bytes): half the memory traffic,
+            # which matters when it runs beside a load reading the same files. The hashers release the GIL.
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
+                view = memoryview(mm)
+                try:
+                    for i in range(0, size, _CHUNK):
+                        h.update(view[i:i + _CHUNK])
+                finally:
+                    view.release()
+            n = size
+        else:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+                n += len(chunk)
         if fsync:
             os.fsync(f.fileno())
     return n, h.hexdigest()

@@ -54,6 +54,7 @@ class VerifyReport:
     problems: list[Problem] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=dict)
+    quant: str | None = None  # what of the optimizer state is stored quantized (one line), if any
 
     @property
     def ok(self) -> bool:
@@ -62,7 +63,7 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "format": self.format, "ok": self.ok,
                 "problems": [vars(p) | {"message": str(p)} for p in self.problems],
-                "warnings": self.warnings, "checked": self.checked}
+                "warnings": self.warnings, "checked": self.checked, "quant": self.quant}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -75,6 +76,7 @@ class VerifyReport:
         warns = "".join(f"<li>{html.escape(w)}</li>" for w in self.warnings)
         return (f"<div><b style='color:{colour}'>verify: {verdict}</b> <code>{html.escape(self.path)}</code> "
                 f"({self.format})<br><small>checked: {checked}</small>"
+                + (f"<br><small>{html.escape(self.quant)}</small>" if self.quant else "")
                 + (f"<ul>{items}</ul>" if items else "") + (f"<b>warnings</b><ul>{warns}</ul>" if warns else "")
                 + "</div>")
 
@@ -208,6 +210,8 @@ def verify(path: "str | os.PathLike | CheckpointManifest", *, deep: bool = False
         return report
     if fmt == "workbench":
         _check_workbench_files(root, m.info, report, progress)
+        if m.quant:
+            _check_quant(root, m, report)
     if fmt in ("workbench", "dcp"):
         reported = {Path(p.file).name for p in report.problems}
         _check_dcp_chunks(m, report, reported)
@@ -219,6 +223,23 @@ def verify(path: "str | os.PathLike | CheckpointManifest", *, deep: bool = False
     if deep and report.ok:
         _deep_check(m, report, progress)
     return report
+
+
+def _check_quant(root: Path, m: CheckpointManifest, report: VerifyReport) -> None:
+    """Every moment the manifest calls quantized is stored as ``.q`` + ``.qscale`` of matching shapes."""
+    from workbench.checkpoint.quant import SCALE, Q, describe
+
+    report.quant = describe(m.quant)
+    shapes = {r.key: tuple(r.shape) for r in m.frame.itertuples(index=False) if r.shape is not None}
+    for key, block in m.quant["keys"].items():
+        q, scale = shapes.get(key + Q), shapes.get(key + SCALE)
+        if q is None or scale is None or key in shapes:
+            report.problems.append(Problem(str(root / ".metadata"), f"{key} is listed as quantized but stored "
+                                           "otherwise", "re-save the checkpoint (its metadata and manifest disagree)"))
+        elif scale != (*q[:-1], q[-1] // int(block)):
+            report.problems.append(Problem(str(root / ".metadata"), f"{key}{SCALE} is {scale}, not one scale per "
+                                           f"block of {block} of {q}", "re-save the checkpoint"))
+    report.checked["quantized_moments"] = len(m.quant["keys"])
 
 
 def _deep_check(m: CheckpointManifest, report: VerifyReport, progress: bool) -> None:

@@ -62,7 +62,7 @@ def _checkpointing(job: JobConfig, run_dir: str, events: EventWriter, world: int
                          job={"model": job.model.to_dict(), "parallel": job.parallel.to_dict(),
                               "train": job.train.to_dict()})
     return Checkpointer(ckpt_dir(job, run_dir), every=tcfg.ckpt_every, mode=mode, keep=tcfg.keep,
-                        keep_every=tcfg.keep_every, manifest=base, emit=events.emit)
+                        keep_every=tcfg.keep_every, manifest=base, emit=events.emit, quant=tcfg.ckpt_quant)
 
 
 def ckpt_dir(job: JobConfig, run_dir: str) -> str:
@@ -148,7 +148,7 @@ def train(job: JobConfig, run_dir: str) -> None:
                                  "global_batch it was saved with")
             start_step = res.step
             events.emit("resume", step=res.step, path=str(res.path), load_s=time.perf_counter() - t_load,
-                        saved_layout=res.manifest.get("layout"), skipped=res.skipped)
+                        saved_layout=res.manifest.get("layout"), skipped=res.skipped, read=res.read)
         dataset = make_dataset(tcfg.data, mcfg.vocab_size, tcfg.seq_len, tcfg.seed)
         d_rank = dp_rank(pcfg, rank)
         tokens_per_step = tcfg.global_batch * tcfg.seq_len
@@ -187,7 +187,9 @@ def train(job: JobConfig, run_dir: str) -> None:
                         tflops=flops.tflops_per_s(per_rank, flops_per_token),
                         mfu=flops.mfu(per_rank, flops_per_token, peak),
                         **({"aux_loss": float(aux_sum)} if moe else {}),
-                        **({"peak_mem_bytes": probe.peak()} if probe is not None else {}))
+                        **({"peak_mem_bytes": probe.peak()} if probe is not None else {}),
+                        # async/zero-stall: what checkpointing cost the loop around this step (capture + wait)
+                        **({"ckpt_stall_s": ckpt.take_stall()} if ckpt is not None and ckpt.mode != "sync" else {}))
             if recorder is not None:  # live and peak bytes of this step, by category (the dashboard plots it)
                 events.emit("memory", step=step, **recorder.step_summary())
             if pipe is not None:  # measured start/end of every forward (F) and backward (B) on this rank
