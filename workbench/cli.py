@@ -189,7 +189,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # Command groups that live next to the API they front: each module exposes ``add_parser(sub)``.
-_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.prediction.cli", "workbench.checkpoint.cli", "workbench.spmd.cli", "workbench.kernels.cli", "workbench.doctor"]
+_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.prediction.cli", "workbench.checkpoint.cli", "workbench.spmd.cli", "workbench.kernels.cli", "workbench.rl.cli", "workbench.doctor"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,11 +11,13 @@ from workbench.kernels.bench import KernelBench, KernelCheck
 from workbench.memory.comparison import MemoryComparison
 from workbench.memory.timeline import MemoryTimeline
 from workbench.plan.types import ShardingPlan
+from workbench.rl.batch_plan import PPOBatchPlan
 from workbench.widgets.checkpoint_browser import CheckpointBrowser
 from workbench.widgets.dashboard import RunDashboard
 from workbench.widgets.kernel_view import KernelBenchView, KernelCheckView
 from workbench.widgets.memory_view import MemoryComparisonView, MemoryTimelineView
 from workbench.widgets.plan_view import ShardingPlanView
+from workbench.widgets.rl_batch_view import PPOBatchView
 from workbench.widgets.plots import plot_losses, plot_pipeline_timeline, plot_tokens_per_expert, run_label
 
 register_view(ShardingPlan, ShardingPlanView)
@@ -24,8 +26,9 @@ register_view(MemoryTimeline, MemoryTimelineView)
 register_view(MemoryComparison, MemoryComparisonView)
 register_view(KernelBench, KernelBenchView)
 register_view(KernelCheck, KernelCheckView)
+register_view(PPOBatchPlan, PPOBatchView)
 # A Run has no widget of its own: it shows its summary table (Run._repr_html_); RunDashboard launches runs.
 
 __all__ = ["RunDashboard", "CheckpointBrowser", "ShardingPlanView", "MemoryTimelineView", "MemoryComparisonView",
-           "KernelBenchView", "KernelCheckView",
+           "KernelBenchView", "KernelCheckView", "PPOBatchView",
            "plot_losses", "plot_pipeline_timeline", "plot_tokens_per_expert", "run_label"]
