@@ -195,11 +195,7 @@ def plan_ppo_batches(prompts_per_rollout: int, samples_per_prompt: int, mini_bat
                          f"mini-batch of {_near(S, M, lambda d: d % dp == 0)} samples (a multiple of {dp} dividing {S})")
     Mr = M // dp
     row("mini-batch per rank", Mr, "samples", f"{M} / {dp} ranks")
-    if group_samples:
-        if M % n:
-            raise ValueError(f"group_samples: a mini-batch of {M} samples splits the {n} samples of a prompt; use "
-                             f"{_near(S, M, lambda d: d % (n * dp) == 0 or d % n == 0 and d % dp == 0)} samples "
-                             f"(whole groups of {n})")
+    if group_samples:  # whole groups on every rank (then the mini-batch holds whole groups too)
         if Mr % n:
             raise ValueError(f"group_samples: each rank's {Mr} samples of a mini-batch split the {n} samples of a "
                              f"prompt; use a mini-batch of {_near(S, M, lambda d: d % (n * dp) == 0)} samples "
