@@ -1,0 +1,71 @@
+"""A small paired corpus from the shipped text: each verse and the verse after it.
+
+Genesis and Exodus (workbench/data, one verse per line) give 2,745 (verse, next verse) pairs; neighbours
+share people, places and phrasing, which is what an embedding can learn. A hard negative for verse ``i``
+is verse ``i + 2 + hard_gap`` (same story, not the neighbour). The last ``held_out`` pairs (a contiguous
+block, so no verse of it is seen in training as a neighbour) are the evaluation set: retrieval accuracy
+is how often a held-out verse's nearest candidate among all held-out next verses is its own.
+Everything is byte-level (vocabulary 256) and deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+import torch
+
+from workbench.train.data import CORPUS
+
+
+@lru_cache(maxsize=1)
+def verses() -> tuple[str, ...]:
+    text = resources.files("workbench.data").joinpath(CORPUS).read_text(encoding="utf-8")
+    return tuple(line.strip() for line in text.splitlines() if line.strip())
+
+
+def tokenize(texts: list[str], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytes, truncated or right-padded (0) to ``seq_len``: ``(tokens (B, seq_len), lengths (B,))``."""
+    out = torch.zeros(len(texts), seq_len, dtype=torch.long)
+    lengths = torch.empty(len(texts), dtype=torch.long)
+    for i, t in enumerate(texts):
+        b = t.encode("utf-8")[:seq_len] or b" "
+        out[i, :len(b)] = torch.tensor(list(b), dtype=torch.long)
+        lengths[i] = len(b)
+    return out, lengths
+
+
+@dataclass
+class PairCorpus:
+    """(query, positive, hard negative) triples; ``batch_ids(step, size)`` depends on ``(seed, step)`` alone."""
+
+    seq_len: int = 64
+    held_out: int = 200
+    hard_gap: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        v = verses()
+        n = len(v) - 1
+        if not 0 < self.held_out < n // 2:
+            raise ValueError(f"held_out={self.held_out} must be in [1, {n // 2}); the corpus has {n} pairs")
+        self.train_ids = torch.arange(0, n - self.held_out - 2 - self.hard_gap)
+        self.eval_ids = torch.arange(n - self.held_out, n)
+
+    def triples(self, ids: torch.Tensor):
+        v = verses()
+        q = [v[i] for i in ids.tolist()]
+        p = [v[i + 1] for i in ids.tolist()]
+        h = [v[min(i + 2 + self.hard_gap, len(v) - 1)] for i in ids.tolist()]
+        return tuple(tokenize(x, self.seq_len) for x in (q, p, h))
+
+    def batch_ids(self, step: int, size: int) -> torch.Tensor:
+        """The global batch of ``step``: ``size`` training pairs, a fresh permutation each epoch."""
+        n = len(self.train_ids)
+        if size > n:
+            raise ValueError(f"batch size {size} exceeds the {n} training pairs; use at most {n}")
+        per_epoch = n // size
+        epoch, k = divmod(step, per_epoch)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+        return self.train_ids[perm[k * size:(k + 1) * size]]
