@@ -1,10 +1,12 @@
-"""A small paired corpus from the shipped text: each verse and the verse after it.
+"""A small paired corpus from the shipped text: a verse and the verse after it.
 
-Genesis and Exodus (workbench/data, one verse per line) give 2,745 (verse, next verse) pairs; neighbours
-share people, places and phrasing, which is what an embedding can learn. A hard negative for verse ``i``
-is verse ``i + 2 + hard_gap`` (same story, not the neighbour). The last ``held_out`` pairs (a contiguous
-block, so no verse of it is seen in training as a neighbour) are the evaluation set: retrieval accuracy
-is how often a held-out verse's nearest candidate among all held-out next verses is its own.
+Genesis and Exodus (workbench/data, one verse per line, 2,746 verses) give 1,373 disjoint pairs
+(verse ``2j``, verse ``2j + 1``): neighbours share people, places and phrasing, which is what an
+embedding can learn. The pairs are disjoint so that no verse is both a query and a candidate: with
+overlapping pairs (``i``, ``i + 1``) and (``i + 1``, ``i + 2``) a query would find its own text among the
+candidates. A hard negative for pair ``j`` is the first verse of pair ``j + hard_gap`` (same story, not the
+neighbour). The last ``held_out`` pairs (a contiguous block) are the evaluation set: retrieval accuracy is
+how often a held-out verse's nearest candidate among all held-out second verses is its own.
 Everything is byte-level (vocabulary 256) and deterministic.
 """
 
@@ -46,18 +48,19 @@ class PairCorpus:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        v = verses()
-        n = len(v) - 1
-        if not 0 < self.held_out < n // 2:
-            raise ValueError(f"held_out={self.held_out} must be in [1, {n // 2}); the corpus has {n} pairs")
-        self.train_ids = torch.arange(0, n - self.held_out - 2 - self.hard_gap)
-        self.eval_ids = torch.arange(n - self.held_out, n)
+        pairs = len(verses()) // 2
+        if not 0 < self.held_out < pairs // 2:
+            raise ValueError(f"held_out={self.held_out} must be in [1, {pairs // 2}); the corpus has {pairs} pairs")
+        # pair j = (verse 2j, verse 2j + 1); training pairs' hard negatives stay out of the held-out block
+        self.train_ids = torch.arange(0, pairs - self.held_out - self.hard_gap)
+        self.eval_ids = torch.arange(pairs - self.held_out, pairs)
 
     def triples(self, ids: torch.Tensor):
+        """``(queries, positives, hard negatives)`` of pairs ``ids``, each ``(tokens, lengths)``."""
         v = verses()
-        q = [v[i] for i in ids.tolist()]
-        p = [v[i + 1] for i in ids.tolist()]
-        h = [v[min(i + 2 + self.hard_gap, len(v) - 1)] for i in ids.tolist()]
+        q = [v[2 * j] for j in ids.tolist()]
+        p = [v[2 * j + 1] for j in ids.tolist()]
+        h = [v[min(2 * (j + self.hard_gap), len(v) - 2)] for j in ids.tolist()]
         return tuple(tokenize(x, self.seq_len) for x in (q, p, h))
 
     def batch_ids(self, step: int, size: int) -> torch.Tensor:
