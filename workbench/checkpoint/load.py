@@ -18,8 +18,10 @@ model is refused in one line naming the first key that does not fit::
     (256, 128) in the checkpoint but (512, 128) here; use the model config it was saved with
 
 ``.metadata`` (a pickle written by DCP) is read with ``workbench.checkpoint.safeload``'s unpickler,
-which only admits DCP's metadata classes, ``torch.Size`` and dtypes; every key loaded is a tensor, read
-with ``torch.load(weights_only=True)``.
+which only admits DCP's metadata classes, ``torch.Size`` and dtypes; every key loaded is a tensor, its
+bytes read straight into place (:mod:`workbench.checkpoint.directread`, whose archive parser resolves no
+globals), or where that reader cannot place an item, with ``torch.load(weights_only=True)``. Moments
+saved quantized (``quant``) are read as stored and dequantized into the optimizer's fp32 state.
 """
 
 from __future__ import annotations

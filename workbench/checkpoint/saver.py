@@ -2,13 +2,16 @@
 
 What blocks the training loop in each mode (``blocking_s`` of the ``checkpoint`` event)::
 
-    sync        [ DCP writes the live tensors ][ hash ][ publish ]              all of it
-    async       [ copy to host buffers ] -> writer thread: [ DCP write ][ hash ][ publish ]
-    zero-stall  every step: [ copy into one of two host buffer sets ]
+    sync        [ DCP writes the live tensors, hashing them ][ publish ]        all of it
+    async       [ take the state dict's references ] -> staging thread: [ copy to host buffers ]
+                    -> writer thread: [ DCP write, hashing ][ publish ]
+                the next optimizer.step() waits for the copy if it has not landed (a pre-step hook)
+    zero-stall  every step: the same staging into one of two host buffer sets
                 every N steps: hand that step's snapshot to the writer thread (no second copy)
 
-Host buffers are allocated once (pinned on CUDA) and reused. At most one save is in flight: a save
-that finds the previous one still writing waits for it (that wait counts as blocking). Zero-stall mode
+Host buffers are allocated once (pinned on CUDA, filled on a side stream) and reused. At most one save
+is in flight: a save that finds the previous one still writing waits for it (that wait counts as
+blocking). Zero-stall mode
 double-buffers, so the per-step snapshot never overwrites the set being written. The writer runs DCP
 over a process group of its own (gloo), so its collectives never interleave with training's.
 
@@ -445,10 +448,12 @@ class Checkpointer:
     Async and zero-stall saves copy the state to host buffers on a staging thread while the loop goes on
     with the next step's forward and backward, which read the weights and optimizer state but do not write
     them. The first thing that writes them is the next ``optimizer.step()``: a pre-step hook on the
-    optimizer waits there until the copy has landed. What the loop is blocked for (``blocking_s``) is the
-    capture of the small state on its own thread (step counters, RNG, scheduler) plus that wait, which is
-    zero when forward and backward take longer than the copy. Without an optimizer (nothing to hook) the
-    copy runs on the loop's thread.
+    optimizer waits there until the copy has landed. What the loop is blocked for (``blocking_s``) is
+    taking the state dict on its own thread (references to the live tensors, plus fresh RNG, scheduler
+    and step tensors) plus that wait, which is zero when forward and backward take longer than the copy.
+    ``take_stall()`` gives the seconds lost since its last call (the trainer's ``ckpt_stall_s``). Without
+    an optimizer (nothing to hook) the copy runs on the loop's thread. ``quant``: "int8"/"fp8" moments,
+    quantized on the staging thread (:mod:`workbench.checkpoint.quant`).
     """
 
     def __init__(self, root: str | Path, *, every: int, mode: str = "sync", keep: int | None = None,
