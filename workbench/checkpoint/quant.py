@@ -82,6 +82,21 @@ def quantize(x: torch.Tensor, mode: str, block: int, sqrt: bool) -> tuple[torch.
     return q.reshape(x.shape), scale
 
 
+def code_dtype(mode: str, sqrt: bool) -> torch.dtype:
+    """The dtype :func:`quantize` stores codes in."""
+    if mode == "fp8":
+        return _fp8()
+    return torch.uint8 if sqrt else torch.int8
+
+
+def stored_locals(key: str, local: torch.Tensor, info: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{suffix: (local shape, dtype)}`` that :func:`quantize_state` stores for moment ``key`` (``optim.*``)."""
+    block = info["keys"][key]
+    sqrt = is_sqrt(key)
+    return {Q: (tuple(local.shape), code_dtype(info["mode"], sqrt)),
+            SCALE: ((*local.shape[:-1], local.shape[-1] // block), torch.float32)}
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, sqrt: bool) -> torch.Tensor:
     """The fp32 moment back from ``(q, scale)``; the block size is ``q.shape[-1] / scale.shape[-1]``."""
     nblocks = scale.shape[-1] if scale.dim() else 1

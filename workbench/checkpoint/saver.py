@@ -122,14 +122,35 @@ class HostBuffers:
         else:
             buf.copy_(src.detach())
 
-    def _buffer(self, key: str, local: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, key: str, local: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+        shape = torch.Size(local.shape if shape is None else shape)
+        dtype = local.dtype if dtype is None else dtype
         buf = self.buffers.get(key)
-        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
             pin = local.device.type == "cuda"
-            buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+            buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
             self.buffers[key] = buf
             self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers.values())
         return buf
+
+    def reserve(self, sd: dict[str, Any], quant: dict[str, Any] | None = None, prefix: str = "") -> None:
+        """Allocate (once) the buffers ``stage`` will fill for ``sd``, here on the caller's thread: memory
+        recorders that follow the training thread then see the host copy under the ``checkpoint`` phase.
+        Moments that ``quant`` quantizes get buffers of their stored shapes and dtypes."""
+        from workbench.checkpoint.quant import stored_locals
+
+        keys = (quant or {}).get("keys") or {}
+        for k, v in sd.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                self.reserve(v, quant, key + ".")
+            elif isinstance(v, torch.Tensor):
+                local = v.to_local() if isinstance(v, DTensor) else v
+                if key in keys:
+                    for suffix, (shape, dtype) in stored_locals(key, local, quant).items():
+                        self._buffer(key + suffix, local, shape, dtype)
+                else:
+                    self._buffer(key, local)
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
         """Copy every tensor of ``sd`` into the buffers; returns when the bytes have landed.
@@ -547,6 +568,7 @@ class Checkpointer:
         # during forward and backward, so the state dict cannot be built on another thread meanwhile.
         sd = state.state_dict(encode=False)  # hyperparameters stay Python values until the staging thread
         rec.quant = quant_plan(sd, self.quant)  # from shapes only: cheap, and the same on every rank
+        self._buffers[buffer].reserve(sd, rec.quant)  # allocations on the loop's thread (a no-op once done)
 
         def copy() -> None:
             t0 = time.perf_counter()
