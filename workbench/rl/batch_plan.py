@@ -12,7 +12,7 @@ The anchors' bugs are exactly these lines: prompts taken for samples (a factor n
 for a per-GPU one (a factor dp), a ratio that does not divide rounded or clamped (PaddleNLP sets
 gradient accumulation to 1 with a warning), a zero mini-batch (verl hangs or yields NaN), and an LR
 schedule counted in rollouts instead of optimizer steps (OpenRLHF #248). So every size is given with its
-unit (``"64 prompts"``, ``"256 samples"``) and scope (``"4 samples/rank"``: per data-parallel rank;
+unit, required (``"64 prompts"``, ``"256 samples"``; a bare number is refused), and scope (``"4 samples/rank"``: per data-parallel rank;
 otherwise global), and every ratio must divide exactly, or :func:`plan_ppo_batches` raises one
 ``ValueError`` that names the numbers and the nearest sizes that would work. Nothing is clamped.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -50,29 +51,40 @@ class BatchSize:
         return f"{self.value} {self.unit}" + ("/rank" if self.scope == "rank" else "")
 
 
-def parse_batch_size(spec: "str | int | BatchSize", what: str, unit: str = "samples") -> BatchSize:
-    """``"256 samples"``, ``"64 prompts"``, ``"4 samples/rank"``, ``"8/gpu"``, or an int (``unit``, global)."""
+def parse_batch_size(spec: "str | BatchSize", what: str) -> BatchSize:
+    """``"256 samples"``, ``"64 prompts"``, ``"4 samples/rank"`` (also ``per rank``, ``/gpu``), or a :class:`BatchSize`.
+
+    The unit is required: a bare number is the prompts-vs-samples ambiguity (a factor n) the anchors hit.
+    No scope means global (the whole data-parallel group); ``/rank`` means per data-parallel rank."""
+    example = "write e.g. '256 samples', '64 prompts' or '4 samples/rank'"
     if isinstance(spec, BatchSize):
         out = spec
-    elif isinstance(spec, bool) or not isinstance(spec, (int, str)):
-        raise ValueError(f"{what}={spec!r} is not a batch size; write e.g. '256 samples', '64 prompts' or "
-                         "'4 samples/rank'")
-    elif isinstance(spec, int):
-        out = BatchSize(spec, unit, "global")
+        if isinstance(out.value, bool) or not isinstance(out.value, int) or out.unit not in ("prompts", "samples") \
+                or out.scope not in ("global", "rank"):
+            raise ValueError(f"{what}={spec!r} is not a batch size: value must be an int, unit prompts or samples, "
+                             "scope global or rank")
+    elif isinstance(spec, bool) or isinstance(spec, int):
+        raise ValueError(f"{what}={spec} has no unit, and prompts and samples differ by a factor n; "
+                         f"write '{spec} samples' or '{spec} prompts' (add '/rank' for per data-parallel rank)")
+    elif not isinstance(spec, str):
+        raise ValueError(f"{what}={spec!r} is not a batch size; {example}")
     else:
         m = re.fullmatch(r"\s*(-?\d+)\s*([a-z]+)?\s*(?:(?:/|\s+per\s+|\s+)([a-z-]+))?\s*", spec.lower())
         if not m:
-            raise ValueError(f"{what}={spec!r} is not a batch size; write e.g. '256 samples', '64 prompts' or "
-                             "'4 samples/rank'")
+            raise ValueError(f"{what}={spec!r} is not a batch size; {example}")
         value, word, scope = int(m.group(1)), m.group(2), m.group(3)
-        if word in _SCOPES and scope is None:  # "8/gpu" parsed as value 8, word None; "8 global"
+        if word in _SCOPES and scope is None:  # "8/gpu" parses as value 8, no word; "8 global" as word "global"
             word, scope = None, word
-        if word is not None and word not in _UNITS:
+        if word is None:
+            suffix = "/rank" if scope is not None and _SCOPES.get(scope) == "rank" else ""
+            raise ValueError(f"{what}={spec!r} has no unit, and prompts and samples differ by a factor n; "
+                             f"write '{value} samples{suffix}' or '{value} prompts{suffix}'")
+        if word not in _UNITS:
             raise ValueError(f"{what}={spec!r}: unit {word!r} is unknown; use prompts or samples")
         if scope is not None and scope not in _SCOPES:
             raise ValueError(f"{what}={spec!r}: scope {scope!r} is unknown; use /rank (per data-parallel rank) "
                              "or nothing (global)")
-        out = BatchSize(value, _UNITS[word] if word else unit, _SCOPES[scope] if scope else "global")
+        out = BatchSize(value, _UNITS[word], _SCOPES[scope] if scope else "global")
     if out.value <= 0:
         raise ValueError(f"{what}={out} must be at least 1: a zero or negative batch trains on nothing "
                          "(verl hangs or yields NaN on it); give a positive size")
@@ -80,13 +92,15 @@ def parse_batch_size(spec: "str | int | BatchSize", what: str, unit: str = "samp
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
-def _near(n: int, target: int, ok=lambda d: True, k: int = 3) -> str:
+def _near(n: int, target: int, ok=lambda d: True, k: int = 3) -> str:  # callers ensure one divisor is ok
     """The divisors of ``n`` closest to ``target`` (that satisfy ``ok``), for a message."""
     ds = sorted((d for d in _divisors(n) if ok(d)), key=lambda d: (abs(d - target), d))[:k]
-    return " or ".join(str(d) for d in sorted(ds)) if ds else "none"
+    ds = [str(d) for d in sorted(ds)]
+    return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else "".join(ds)
 
 
 @dataclass
@@ -103,7 +117,7 @@ class PPOBatchPlan(RendersInNotebook):
     ranks_per_dp_rank: int
     rollout_samples_per_rank: int
     mini_batch_samples: int
-    mini_batch_prompts: float
+    mini_batch_prompts: int | float  # a float when the mini-batch holds a fraction of a prompt's samples
     mini_batches_per_epoch: int
     mini_batch_samples_per_rank: int
     micro_batch_samples_per_rank: int
@@ -128,8 +142,9 @@ class PPOBatchPlan(RendersInNotebook):
 
     def __str__(self) -> str:
         width = max(len(d["quantity"]) for d in self.derivation)
-        return "\n".join(f"{d['quantity']:<{width}}  {d['value']:>8} {d['unit']:<8}  {d['how']}"
-                         for d in self.derivation)
+        unit = max(len(d["unit"]) for d in self.derivation)
+        return "\n".join(f"{d['quantity']:<{width}}  {d['value']:>8} {d['unit']:<{unit}}  {d['how']}"
+                          for d in self.derivation)
 
     def _repr_html_(self) -> str:
         rows = "".join(f"<tr><td>{html.escape(d['quantity'])}</td><td style='text-align:right'><b>{d['value']}</b></td>"
@@ -145,8 +160,8 @@ def plan_ppo_batches(prompts_per_rollout: int, samples_per_prompt: int, mini_bat
                      group_samples: bool = False) -> PPOBatchPlan:
     """Derive a PPO run's batch hierarchy; raise one ``ValueError`` naming the fix for any inexact ratio.
 
-    ``mini_batch`` and ``micro_batch``: sizes with unit and scope (:func:`parse_batch_size`; a bare int is
-    samples, global). ``dp``: data-parallel degree (default ``world_size``). ``rollouts``, or
+    ``mini_batch`` and ``micro_batch``: sizes with a unit and a scope (:func:`parse_batch_size`: the unit
+    is required, no scope means global). ``dp``: data-parallel degree (default ``world_size``). ``rollouts``, or
     ``total_prompts`` (prompts the run trains on, a multiple of ``prompts_per_rollout``): the number of
     rollouts, for the LR schedule's length. ``group_samples``: every mini-batch, and every rank's share of
     it, holds whole prompt groups (all n samples of a prompt), as group-normalised advantages (GRPO) need.
@@ -174,8 +189,8 @@ def plan_ppo_batches(prompts_per_rollout: int, samples_per_prompt: int, mini_bat
     row("data-parallel ranks", dp, "ranks", f"given; {world_size // dp} rank(s) (tp x pp) share each")
     if S % dp:
         raise ValueError(f"samples per rollout {S} (= {P} prompts x {n}) do not split over dp={dp} ranks; "
-                         f"use prompts_per_rollout a multiple of {dp // _gcd(dp, n)} (e.g. "
-                         f"{_round_up(P, dp // _gcd(dp, n))}) or dp in {{{_near(S, dp, k=4)}}}")
+                         f"use prompts_per_rollout a multiple of {dp // math.gcd(dp, n)} (e.g. "
+                         f"{_round_up(P, dp // math.gcd(dp, n))}) or dp = {_near(S, dp, lambda d: world_size % d == 0, k=4)}")
     row("rollout samples per rank", S // dp, "samples", f"{S} / {dp} ranks (generation share)")
 
     mb = parse_batch_size(mini_batch, "mini_batch")
@@ -184,6 +199,10 @@ def plan_ppo_batches(prompts_per_rollout: int, samples_per_prompt: int, mini_bat
           (f" x {dp} ranks" if mb.scope == "rank" else "")
     row("mini-batch", M, "samples", f"{how} (given as '{mb}')")
     said = f"mini_batch={mb}" + ("" if (mb.unit, mb.scope) == ("samples", "global") else f" ({M} samples)")
+    if M > S:
+        raise ValueError(f"{said} is larger than the {S} samples of a rollout (= {P} prompts x {n}): there would be "
+                         f"0 mini-batches, no optimizer step; use a mini-batch of "
+                         f"{_near(S, M, lambda d: d % dp == 0)} samples (global), or more prompts per rollout")
     if S % M:
         raise ValueError(f"{said} does not divide the {S} samples of a rollout "
                          f"(= {P} prompts x {n}); PPO would drop or repeat the remainder: use a mini-batch of "
@@ -195,12 +214,15 @@ def plan_ppo_batches(prompts_per_rollout: int, samples_per_prompt: int, mini_bat
                          f"mini-batch of {_near(S, M, lambda d: d % dp == 0)} samples (a multiple of {dp} dividing {S})")
     Mr = M // dp
     row("mini-batch per rank", Mr, "samples", f"{M} / {dp} ranks")
-    if group_samples:  # whole groups on every rank (then the mini-batch holds whole groups too)
-        if Mr % n:
-            raise ValueError(f"group_samples: each rank's {Mr} samples of a mini-batch split the {n} samples of a "
-                             f"prompt; use a mini-batch of {_near(S, M, lambda d: d % (n * dp) == 0)} samples "
-                             f"(a multiple of {n} x {dp} ranks)")
-        row("prompts per mini-batch", M // n, "prompts", f"{M} / {n} samples, whole groups on every rank")
+    if group_samples and Mr % n:  # whole groups on every rank (then the mini-batch holds whole groups too)
+        if P % dp:  # S / (n dp) is not whole: no mini-batch can give every rank whole groups
+            raise ValueError(f"group_samples: {P} prompts per rollout do not split into whole prompt groups over "
+                             f"dp={dp} ranks; use prompts_per_rollout a multiple of {dp} (e.g. {_round_up(P, dp)})")
+        raise ValueError(f"group_samples: each rank's {Mr} samples of {said} split the {n} samples of a "
+                         f"prompt; use a mini-batch of {_near(S, M, lambda d: d % (n * dp) == 0)} samples "
+                         f"(a multiple of {n} x {dp} ranks)")
+    row("mini-batch in prompts", M // n if M % n == 0 else M / n, "prompts", f"{M} / {n} samples per prompt"
+        + (", whole groups on every rank" if group_samples else ""))
     mc = parse_batch_size(micro_batch, "micro_batch")
     m_units = mc.value * (n if mc.unit == "prompts" else 1)
     if mc.scope == "global":
@@ -214,11 +236,12 @@ def plan_ppo_batches(prompts_per_rollout: int, samples_per_prompt: int, mini_bat
         mhow = f"given as '{mc}'"
     row("micro-batch per rank", m, "samples", mhow)
     if Mr % m:
-        raise ValueError(f"micro_batch {m} samples/rank does not divide the mini-batch's {Mr} samples per rank "
+        said_m = f"micro_batch={mc}" + ("" if (mc.unit, mc.scope) == ("samples", "rank") else f" ({m} samples/rank)")
+        raise ValueError(f"{said_m} does not divide the mini-batch's {Mr} samples per rank "
                          f"(= {M} / {dp}); gradient accumulation would be {Mr / m:g}, not an integer (some tools "
                          f"clamp it silently to 1): use a micro-batch of {_near(Mr, m)} samples/rank")
     A = Mr // m
-    row("gradient accumulation", A, "micro", f"{Mr} / {m} samples per rank")
+    row("gradient accumulation", A, "micro-batches", f"{Mr} / {m} samples per rank, per optimizer step")
     row("PPO epochs", E, "epochs", "given")
     spr = K * E
     row("optimizer steps per rollout", spr, "steps", f"{K} mini-batches x {E} epochs")
@@ -242,14 +265,9 @@ def plan_ppo_batches(prompts_per_rollout: int, samples_per_prompt: int, mini_bat
         total = rollouts * spr
         row("LR schedule steps", total, "steps", f"{rollouts} rollouts x {spr} optimizer steps (not rollouts, "
             "not samples)")
-    return PPOBatchPlan(P, n, S, world_size, dp, world_size // dp, S // dp, M, M / n, K, Mr, m, A, E, spr,
+    return PPOBatchPlan(P, n, S, world_size, dp, world_size // dp, S // dp, M, M // n if M % n == 0 else M / n,
+                        K, Mr, m, A, E, spr,
                         rollouts, total, group_samples, steps)
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def _round_up(x: int, k: int) -> int:

@@ -20,8 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       description="Derive a PPO run's batch hierarchy with units (prompts vs samples, global vs "
                       "per rank). Every ratio must divide exactly; nothing is clamped.")
     c.add_argument("--prompts", type=int, required=True, metavar="P", help="prompts per rollout (global)")
-    c.add_argument("--samples-per-prompt", "-n", type=int, default=1, metavar="N",
-                   help="responses sampled per prompt (rollout n; default 1)")
+    c.add_argument("--samples-per-prompt", "-n", type=int, required=True, metavar="N",
+                   help="responses sampled per prompt (rollout n; required: prompts x n = samples)")
     c.add_argument("--mini-batch", required=True, metavar="SIZE",
                    help="per optimizer step: e.g. '256 samples', '64 prompts', '32 samples/rank'")
     c.add_argument("--micro-batch", required=True, metavar="SIZE",

@@ -82,7 +82,8 @@ class PPOBatchView:
             "world_size": widgets.IntText(plan.world_size, description="world size", style=style),
             "dp": widgets.IntText(plan.dp, description="dp", style=style),
             "epochs": widgets.IntText(plan.ppo_epochs, description="PPO epochs", style=style),
-            "rollouts": widgets.IntText(rollouts or plan.rollouts or 1, description="rollouts", style=style),
+            "rollouts": widgets.IntText(rollouts or plan.rollouts or 0, description="rollouts (0: no LR schedule)",
+                                        style=style),
             "group": widgets.Checkbox(plan.group_samples, description="whole prompt groups"),
         }
         for w in self.inputs.values():
@@ -99,7 +100,8 @@ class PPOBatchView:
         v = {k: w.value for k, w in self.inputs.items()}
         try:
             plan = plan_ppo_batches(v["prompts"], v["n"], v["mini_batch"], v["micro_batch"], world_size=v["world_size"],
-                                    dp=v["dp"], ppo_epochs=v["epochs"], rollouts=v["rollouts"], group_samples=v["group"])
+                                    dp=v["dp"], ppo_epochs=v["epochs"], rollouts=v["rollouts"] or None,
+                                    group_samples=v["group"])
         except ValueError as e:
             self.message.value = f"<span style='color:#cf222e'>{html.escape(str(e))}</span>"
             return None
