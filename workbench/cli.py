@@ -180,8 +180,10 @@ def cmd_presets(args: argparse.Namespace) -> int:
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage problem as one line (and as JSON under --json)."""
 
+    json_requested = False  # set by main() from the arguments it parses (which may not be sys.argv)
+
     def error(self, message: str) -> None:  # type: ignore[override]
-        if "--json" in sys.argv:
+        if _Parser.json_requested:
             emit_json({"status": "error", "error": message})
         else:
             print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
@@ -189,7 +191,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # Command groups that live next to the API they front: each module exposes ``add_parser(sub)``.
-_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.prediction.cli", "workbench.checkpoint.cli", "workbench.spmd.cli", "workbench.kernels.cli", "workbench.rl.cli", "workbench.doctor"]
+_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.prediction.cli", "workbench.checkpoint.cli", "workbench.spmd.cli", "workbench.kernels.cli", "workbench.rl.cli", "workbench.embedding.cli", "workbench.doctor"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _Parser.json_requested = "--json" in (sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     from workbench.compat import MissingTorchAPI
 

@@ -18,6 +18,7 @@ bounded by the data, not by memory. The cost is a second forward.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Callable, ContextManager
 
 import torch
 
@@ -30,12 +31,15 @@ def _chunks(n: int, size: int):
 
 
 def cached_backward(encoder, loss_fn, batch: dict[str, tuple[torch.Tensor, torch.Tensor]], chunk: int, *,
-                    seed: int = 0, step: int = 0, first_sample: int = 0) -> torch.Tensor:
+                    seed: int = 0, step: int = 0, first_sample: int = 0,
+                    sync: Callable[[bool], ContextManager] | None = None) -> torch.Tensor:
     """Accumulate into the parameters' ``.grad`` the gradient of ``loss_fn(**embeddings)`` over the whole
     ``batch`` (``{"queries": (tokens, lengths), "positives": ..., "hard": ...}``), ``chunk`` rows at a time.
 
     ``first_sample``: this rank's first row in the global batch (dropout masks follow the samples).
-    Returns the loss (detached)."""
+    ``sync(last)``: the context of each replay's forward and backward, told whether it is the last one:
+    a data-parallel engine reduces gradients only there (DDP's ``no_sync`` before it; FSDP2's
+    ``set_requires_gradient_sync``), as gradient accumulation does. Returns the loss (detached)."""
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be at least 1")
     n = next(iter(batch.values()))[0].shape[0]
@@ -56,16 +60,21 @@ def cached_backward(encoder, loss_fn, batch: dict[str, tuple[torch.Tensor, torch
             reps[name] = torch.cat(outs).requires_grad_(True)
     loss = loss_fn(**reps)
     loss.backward()  # gradients w.r.t. the embeddings only (and the loss's own parameters)
-    for part, (name, (tokens, lengths)) in enumerate(batch.items()):
-        grad = reps[name].grad
-        for a, b in _chunks(n, chunk):
-            saved = torch.get_rng_state()
-            torch.set_rng_state(rng[(name, a)])
-            with scope(a, part), nullcontext():
-                emb = encoder(tokens[a:b], lengths[a:b])
+    replays = [(part, name, a, b) for part, name in enumerate(batch) for a, b in _chunks(n, chunk)]
+    for i, (part, name, a, b) in enumerate(replays):
+        tokens, lengths = batch[name]
+        saved = torch.get_rng_state()
+        torch.set_rng_state(rng[(name, a)])
+        # backward inside the scope too: activation checkpointing recomputes the forward there
+        with (sync or _no_context)(i == len(replays) - 1), scope(a, part):
+            emb = encoder(tokens[a:b], lengths[a:b])
             torch.set_rng_state(saved)
-            emb.backward(grad[a:b])
+            emb.backward(reps[name].grad[a:b])
     return loss.detach()
+
+
+def _no_context(last: bool) -> ContextManager:
+    return nullcontext()
 
 
 def full_backward(encoder, loss_fn, batch: dict[str, tuple[torch.Tensor, torch.Tensor]], *, seed: int = 0,

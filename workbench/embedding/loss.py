@@ -59,11 +59,12 @@ class InfoNCE(nn.Module):
     ``temperature``: fixed, or learned (``learn_temperature=True``: a log-parameterised scale, clamped to
     at most 100 like CLIP's). ``dims``: Matryoshka prefixes; the loss is summed over them, each prefix
     L2-normalised on its own. ``group``: the data-parallel group whose ranks' candidates are negatives
-    (None: the default group if one is initialised).
+    (None: the default group if one is initialised). ``gather=False``: this rank's candidates only (a
+    layout without data parallelism, whose other ranks hold the same rows, e.g. tensor-parallel ranks).
     """
 
     def __init__(self, temperature: float = 0.05, learn_temperature: bool = False, dims: tuple[int, ...] | None = None,
-                 group=None):
+                 group=None, gather: bool = True):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0, e.g. 0.05")
@@ -74,6 +75,7 @@ class InfoNCE(nn.Module):
             self.register_buffer("log_scale", scale)
         self.dims = tuple(dims) if dims else None
         self.group = group
+        self.gather = gather
 
     @property
     def temperature(self) -> float:
@@ -83,10 +85,11 @@ class InfoNCE(nn.Module):
         if queries.shape != positives.shape or (hard is not None and hard.shape != queries.shape):
             raise ValueError(f"queries {tuple(queries.shape)}, positives {tuple(positives.shape)} and hard negatives "
                              f"{None if hard is None else tuple(hard.shape)} must have the same shape")
-        cands = gather_with_grad(positives, self.group)
+        gather = gather_with_grad if self.gather else (lambda x, group: x)
+        cands = gather(positives, self.group)
         if hard is not None:
-            cands = torch.cat([cands, gather_with_grad(hard, self.group)], dim=0)
-        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+            cands = torch.cat([cands, gather(hard, self.group)], dim=0)
+        world = dist.get_world_size(self.group) if self.gather and dist.is_initialized() else 1
         rank = dist.get_rank(self.group) if world > 1 else 0
         labels = torch.arange(queries.shape[0], device=queries.device) + rank * queries.shape[0]
         scale = self.log_scale.clamp(max=math.log(100.0)).exp()
