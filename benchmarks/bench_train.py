@@ -60,19 +60,24 @@ def _log(msg: str) -> None:
 
 
 def omp_threads_per_rank(name: str) -> int:
-    """What the launcher gives each rank: OMP_NUM_THREADS if it is set, else cores // nproc."""
+    """What the launcher gives each rank: OMP_NUM_THREADS if it is set, else usable CPUs // nproc."""
+    from workbench.cpu_quota import threads_per_rank
+
     nproc = LAYOUTS[name]["nproc"]
     omp = ENV.get(name, {}).get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
     if omp:
         return int(omp)
-    return max(1, (os.cpu_count() or 1) // nproc)
+    return threads_per_rank(nproc)
 
 
 def machine_info() -> dict[str, Any]:
     import torch
 
+    from workbench.cpu_quota import usable_cpus
+
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
+        "usable_cpus": usable_cpus(),  # affinity and the cgroup CPU quota: what the launcher divides
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
@@ -81,7 +86,7 @@ def machine_info() -> dict[str, Any]:
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
         "omp_wait_policy_env": os.environ.get("OMP_WAIT_POLICY"),
         "omp_note": (
-            "the launcher sets OMP_NUM_THREADS = cpu_count // nproc for each rank unless OMP_NUM_THREADS is "
+            "the launcher sets OMP_NUM_THREADS = usable_cpus // nproc for each rank unless OMP_NUM_THREADS is "
             "already set; a 1-process run gets all cores, each rank of a 2-process run gets half"
         ),
     }

@@ -1,4 +1,5 @@
-"""Binder builds what repo2docker renders from binder/: CPU-only torch, no pip cache, and our package.
+"""Binder builds what repo2docker renders from binder/: CPU-only torch, no pip cache, and our package,
+and opens JupyterLab in notebooks/ (the server config postBuild installs, read by a real server).
 
 `jupyter-repo2docker --no-build` renders the Dockerfile Binder would build from this checkout, offline:
 it needs no Docker daemon (the fixture points DOCKER_HOST at nothing to prove it) and no network.
@@ -8,15 +9,24 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tomllib
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from helpers import wait_for_server  # tests/helpers.py
 
 REPO = Path(__file__).resolve().parents[1]
 BINDER = REPO / "binder"
@@ -85,3 +95,89 @@ def test_dockerfile_runs_postbuild_which_installs_the_package_with_no_pip_cache(
         assert "--no-cache-dir" in line, f"postBuild's `{line}` keeps pip's cache in the image"
     # The package itself, not editable: the wheel's labextension and server config land in the env.
     assert any(line.split()[-1] == "." and "-e" not in line.split() for line in installs), installs
+
+
+# --------------------------------------------------------------------------------------------------
+# JupyterLab opens in notebooks/: the server config postBuild installs, read by a real server
+# --------------------------------------------------------------------------------------------------
+
+SERVER_CONFIG = BINDER / "jupyter_server_config.py"
+
+
+def test_postbuild_installs_the_server_config_as_the_users_jupyter_config():
+    script = (BINDER / "postBuild").read_text()
+    assert 'config_dir="$(jupyter --config-dir)"' in script
+    assert 'cp binder/jupyter_server_config.py "$config_dir/jupyter_server_config.py"' in script
+
+
+def _load_config(cwd: Path):
+    from traitlets.config.loader import PyFileConfigLoader
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return PyFileConfigLoader(SERVER_CONFIG.name, path=str(BINDER)).load_config()
+    finally:
+        os.chdir(here)
+
+
+def test_the_config_applies_only_where_notebooks_exist(tmp_path):
+    """preferred_dir must exist under the server's root (else the server refuses to start), so a server
+    started elsewhere in the image (a terminal, another directory) gets none of it."""
+    assert "default_url" not in _load_config(tmp_path).ServerApp
+    cfg = _load_config(REPO)
+    assert cfg.ServerApp.default_url == cfg.LabApp.default_url == "/lab/tree/notebooks"
+    assert cfg.ContentsManager.preferred_dir == "notebooks"
+
+
+@pytest.mark.timeout(90)
+def test_a_server_with_the_binder_config_opens_lab_in_notebooks(tmp_path):
+    """A real jupyter server (the ServerApp that jupyterhub-singleuser runs too), started in the repository
+    with only the config postBuild installs: "/" redirects to /lab/tree/notebooks, and JupyterLab's file
+    browser starts in notebooks/ (its page config's preferredPath)."""
+    config = tmp_path / "config"
+    config.mkdir()
+    shutil.copy(SERVER_CONFIG, config / "jupyter_server_config.py")  # what postBuild does
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = uuid.uuid4().hex
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(config), JUPYTER_DATA_DIR=str(tmp_path / "data"),
+               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_PLATFORM_DIRS="1")
+    cmd = [sys.executable, "-m", "jupyter_server", "--no-browser", "--ServerApp.ip=127.0.0.1",
+           f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+           "--ServerApp.allow_root=True", "--ServerApp.terminals_enabled=False"]
+    log = tmp_path / "server.log"
+    url = f"http://127.0.0.1:{port}"
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    def get(path: str, follow: bool = True):
+        req = urllib.request.Request(url + path, headers={"Authorization": f"token {token}"})
+        opener = urllib.request.build_opener() if follow else urllib.request.build_opener(NoRedirect)
+        try:
+            with opener.open(req, timeout=10) as resp:
+                return resp.status, resp.headers, resp.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, ""
+
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_server(proc, lambda: get("/api/status")[0] == 200, "jupyter server",
+                        lambda: log.read_text(errors="replace")[-3000:], 60)
+        status, headers, _ = get("/", follow=False)
+        location = urllib.parse.urlsplit(headers.get("Location", "")).path
+        assert status == 302 and location.endswith("/lab/tree/notebooks"), (status, dict(headers))
+        status, _, page = get("/lab/tree/notebooks")
+        assert status == 200 and re.search(r'"preferredPath":\s*"/?notebooks"', page), page[:2000]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(15)
+        except (OSError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)

@@ -43,7 +43,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     add_arguments(p, ("parallel", "train"))
     add_arguments(p, "model", given_only=True)  # over the model's own values only where typed
     p.add_argument("--out", default=None, help="run directory, one per node (default: ./runs/<time>, and "
-                   "./runs/<time>-node<R> on several machines)")
+                   "./runs/<time>-node<R> on several machines); one that already holds a run is refused "
+                   "unless --resume or --overwrite is given")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out: delete its "
+                   "events, config, logs, memory timelines and checkpoints (with --resume its checkpoints are "
+                   "kept, to resume from)")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of progress")
     p.set_defaults(func=cmd_train)
@@ -53,6 +57,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from workbench.settings import from_args, given
     from workbench.train.launcher import build_job, launch
     from workbench.train.nodes import node_settings
+    from workbench.train.rundir import RunDirInUse
 
     settings = dict(nproc=args.nproc, parallel=from_args(args, "parallel"), train=from_args(args, "train"),
                     **given(args, "model"))
@@ -64,10 +69,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ValueError as e:
         return error(str(e), args.json)
     # Nodes sharing a file system (and a start time, under srun) must not share a run directory.
-    default_out = Path("runs") / (time.strftime("%Y%m%d-%H%M%S") + (f"-node{args.node_rank}" if multinode else ""))
-    out = args.out or str(default_out)
+    out = args.out or str(_default_out(args.node_rank if multinode else None))
     try:
-        run = launch(args.model, out=out, **where, **settings)
+        run = launch(args.model, out=out, overwrite=args.overwrite, **where, **settings)
+    except RunDirInUse as e:  # --out holds a run: name --resume and --overwrite
+        return error(e.for_cli(), args.json)
     except ValueError as e:  # e.g. --resume: no complete checkpoint there, or it does not fit the model
         return error(str(e), args.json)
     deadline = None if args.timeout is None else (time.monotonic() + args.timeout, args.timeout)
@@ -100,13 +106,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         if nodes:
             print(f"node {nodes['node_rank']} of {nodes['nnodes']} (ranks {_span(nodes.get('ranks'))}, "
                   f"world size {nodes['world_size']}):", end=" ")
-        print(f"done: {summary['steps_logged']} steps, loss {summary.get('first_loss', float('nan')):.4f} -> "
+        resumed = summary.get("resumed_from")
+        print(f"done: {summary['steps_logged']} steps"
+              + (f" (steps {resumed['step']}-{run.job.train.steps - 1}, resumed)" if resumed else "")
+              + f", loss {summary.get('first_loss', float('nan')):.4f} -> "
               f"{summary.get('final_loss', float('nan')):.4f}, {summary.get('tokens_per_s', 0):.0f} tokens/s"
               + (f", MFU {summary['mfu']:.2f}" if summary.get("mfu") is not None else "")
               + f"; events in {run.run_dir / 'events.jsonl'}")
     if run.status == "succeeded":
         return 0
     return EXIT_FAILED
+
+
+def _default_out(node_rank: int | None) -> Path:
+    """``./runs/<time>`` (``-node<R>`` on several machines), with a suffix if a run started there this second."""
+    base = time.strftime("%Y%m%d-%H%M%S") + (f"-node{node_rank}" if node_rank is not None else "")
+    out, n = Path("runs") / base, 1
+    while out.exists():
+        n += 1
+        out = Path("runs") / f"{base}-{n}"
+    return out
 
 
 def _span(ranks) -> str:
@@ -131,16 +150,25 @@ def _follow_quietly(run, deadline: tuple[float, float] | None) -> None:
 def _follow_with_progress(run, deadline: tuple[float, float] | None) -> None:
     from tqdm.auto import tqdm
 
+    from workbench.train.resumed import Resumed
+
     node = run.job.nodes
     where = f" node {node['node_rank']}/{node['nnodes']}" if node else ""
-    bar = tqdm(total=run.job.train.steps, desc=f"{run.job.model.name} [{run.job.parallel.describe()}]{where}",
-               unit="step")
+    # A resumed run starts at its checkpoint's step (100/120, not 0/120); the rate counts this run's steps.
+    bar = tqdm(total=run.job.train.steps, initial=run.start_step,
+               desc=f"{run.job.model.name} [{run.job.parallel.describe()}]{where}", unit="step")
     started: set[int] = set()  # every local rank starts before any finishes a step (a step's collectives need all)
     try:
         for event in run.events():
             _check_deadline(run, deadline)
             if event["type"] == "start":
                 started.add(event["rank"])
+            if event["type"] == "resume" and event["rank"] == min(started, default=event["rank"]):
+                resumed = Resumed.from_event(event)
+                bar.write(resumed.describe(), file=sys.stderr)
+                if bar.n != resumed.step:  # rank 0 fell back past a damaged checkpoint
+                    bar.n = bar.initial = resumed.step
+                    bar.refresh()
             # rank 0 on one node; this node's first rank on the others
             if event["type"] == "step" and event["rank"] == min(started, default=event["rank"]):
                 bar.set_postfix(loss=f"{event['loss']:.4f}", tok_s=f"{event['tokens_per_s']:.0f}", refresh=False)

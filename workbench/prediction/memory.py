@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, resolve_model, validate
+from workbench.cpu_quota import usable_cpus
 from workbench.memory.recorder import MemoryRecorder
 from workbench.memory.timeline import MemoryTimeline
 from workbench.units import parse_bytes
@@ -60,19 +61,6 @@ def _job(job: Any, parallel: Any = None, train: Any = None, nproc: int | None = 
     pcfg = pcfg.resolved(nproc)
     validate(mcfg, pcfg, tcfg)
     return JobConfig(model=mcfg, parallel=pcfg, train=tcfg)
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (a container's
-    ``cpu.max``), which ``os.cpu_count()`` ignores: on Binder or Kubernetes it reports the host's cores."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return max(1, n)
 
 
 def predict(job: JobConfig | str | ModelConfig | dict, *, device: str = "cpu", ranks: list[int] | None = None,

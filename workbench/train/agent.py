@@ -31,6 +31,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from workbench.cpu_quota import threads_per_rank
 from workbench.lifeline import exit_now, follow_parent
 from workbench.train.events import LAUNCHER_RANK, NODE_ENV, EventWriter, read_events
 from workbench.train.nodes import NodeDirectory, torchrun_args
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     run_dir, nproc = argv[0], int(argv[1])
     follow_parent(signal.SIGTERM)  # torchrun turns SIGTERM into stopping every rank
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # The container's CPU quota, not the host's cores (os.cpu_count()): workbench.cpu_quota.
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
 
     from torch.distributed.run import get_args_parser, run
 

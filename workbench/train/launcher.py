@@ -13,6 +13,7 @@ and torchrun is started as a subprocess (``workbench.train.agent``). The ``Run``
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 import html
 import json
 import os
@@ -24,16 +25,18 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pandas as pd
 
 from workbench.config import DEVICES, JobConfig, ModelConfig, ParallelConfig, TrainConfig, resolve_model, validate
 from workbench.settings import make_configs, split_settings
 from workbench.display import RendersInNotebook
-from workbench.train.events import LAUNCHER_RANK, EventReader, follow
+from workbench.train.events import EVENTS_FILE, LAUNCHER_RANK, EventReader, follow
 from workbench.train.nodes import node_settings
 from workbench.train.outcome import RunFailed, root_cause
+from workbench.train.resumed import Resumed
+from workbench.train.rundir import RunDirInUse, check_reusable, clear_run
 
 METRIC_COLUMNS = ["rank", "step", "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr", "time"]
 MEMORY_COLUMNS = ["rank", "step", "peak_bytes", "live_bytes", "source", "time"]
@@ -61,11 +64,14 @@ class Run(RendersInNotebook):
 
     Everything a view shows is answered here, from the run's event stream: :attr:`status`,
     :meth:`history` (per-rank metrics), :meth:`root_cause` (the failing rank, its message and traceback),
-    :attr:`started_ranks`, and :meth:`events_since` for views that draw other events as they come.
+    :attr:`started_ranks`, :attr:`resumed` and :attr:`start_step` (what a resumed run resumed from), and
+    :meth:`events_since` for views that draw other events as they come.
     """
 
-    def __init__(self, job: JobConfig, run_dir: Path, proc: subprocess.Popen, log_path: Path):
+    def __init__(self, job: JobConfig, run_dir: Path, proc: subprocess.Popen, log_path: Path,
+                 resume_target: Path | None = None):
         self.job, self.run_dir, self._proc, self.log_path = job, run_dir, proc, log_path
+        self._resume_target = resume_target  # the checkpoint a resumed job named at launch (ranks may fall back)
         self.nproc = _local_ranks(job)  # this machine's ranks; the whole job has job.parallel.world_size
         self.started_at = time.time()
         self._stop_requested = False
@@ -74,6 +80,7 @@ class Run(RendersInNotebook):
         self._steps: dict[int, list[dict[str, Any]]] = {}  # rank -> its step events, in order
         self._memory: dict[int, list[dict[str, Any]]] = {}  # rank -> its memory events (runs with --memory)
         self._first_errors: dict[int, dict[str, Any]] = {}  # rank -> its first error event
+        self._resume_events: dict[int, dict[str, Any]] = {}  # rank -> its resume event
         self._started: set[int] = set()
         self._read_lock = threading.Lock()  # a view's poller thread and the user's cell both read
         # If the Run is garbage-collected or the kernel exits, the ranks go with it.
@@ -120,6 +127,8 @@ class Run(RendersInNotebook):
                     self._first_errors.setdefault(rank, e)
                 elif kind == "start":
                     self._started.add(rank)
+                elif kind == "resume":
+                    self._resume_events.setdefault(rank, e)
             self._events.extend(new)
         return self._events
 
@@ -132,6 +141,30 @@ class Run(RendersInNotebook):
         """The ranks that have started (built their process group)."""
         self._all_events()
         return set(self._started)
+
+    @property
+    def resumed(self) -> Resumed | None:
+        """What this run resumed from (:class:`~workbench.train.resumed.Resumed`: the step, the checkpoint,
+        the saved layout against this one), once its ranks have loaded the checkpoint; None for a run that
+        does not resume, or before then (see :attr:`start_step`)."""
+        self._all_events()
+        if not self._resume_events:
+            return None
+        return Resumed.from_event(self._resume_events[min(self._resume_events)])
+
+    @property
+    def start_step(self) -> int:
+        """The first step this run trains: 0, or the step it resumes from. Known at launch (the step of
+        the checkpoint ``resume`` names); once the ranks have loaded it, the step they loaded (rank 0 may
+        fall back past a damaged newest checkpoint)."""
+        resumed = self.resumed
+        if resumed is not None:
+            return resumed.step
+        if self._resume_target is not None:
+            from workbench.checkpoint.store import parse_step
+
+            return parse_step(self._resume_target.name) or 0
+        return 0
 
     def _run_end(self) -> dict[str, Any] | None:
         for e in reversed(self._all_events()):
@@ -255,6 +288,9 @@ class Run(RendersInNotebook):
             "nproc": self.nproc,
             "steps_logged": int(df["step"].nunique()) if len(df) else 0,
         }
+        resumed = self.resumed
+        if resumed is not None:
+            out["resumed_from"] = resumed.to_dict()
         if self.job.nodes:
             out["nodes"] = self.nodes()
         if len(df):
@@ -481,18 +517,43 @@ def check_fits_in_memory(job: JobConfig, available: int | None = None, nnodes: i
         raise ValueError(problem)
 
 
-def _checkpoint_paths(job: JobConfig, run_dir: Path) -> JobConfig:
-    """Make ``ckpt_dir``/``resume`` absolute (ranks may run elsewhere) and check the resume target now."""
+TASK_FILE = "task.json"  # {"name", "entry": "module:function"} of a run that is not language modelling
+
+
+@dataclass(frozen=True)
+class Task:
+    """A training loop other than language modelling, run by the same launcher, agent and ranks.
+
+    The launcher knows nothing of it but this: ``build(model, nproc=, nnodes=, parallel=, train=,
+    **settings) -> JobConfig`` validates the settings (one ValueError) before anything starts; ``files``
+    are written into the run directory; each rank calls ``entry`` (``"module:function"``, imported in the
+    rank) as ``function(job, run_dir)`` instead of the trainer; ``model_state(job)`` is the state dict (on
+    meta) a ``resume`` checkpoint's ``model.*`` keys are checked against. The task's package depends on
+    ``workbench.train``, never the other way (``workbench.embedding.embedding_task`` is one).
+    """
+
+    name: str
+    entry: str
+    build: Callable[..., JobConfig]
+    files: dict[str, str] = field(default_factory=dict)
+    model_state: Callable[[JobConfig], dict] | None = None
+
+
+def _checkpoint_paths(job: JobConfig, run_dir: Path, model_state: dict | None = None) -> tuple[JobConfig, Path | None]:
+    """Make ``ckpt_dir``/``resume`` absolute (ranks may run elsewhere) and check the resume target now
+    (against ``model_state``, a meta state dict, when the job trains more than the model). Returns the job
+    and the checkpoint it resumes from (None when it does not)."""
     t = job.train
     if t.ckpt_dir is None and t.resume is None:
-        return job
+        return job, None
     ckpt_dir = str(Path(t.ckpt_dir).resolve()) if t.ckpt_dir else None
     resume = t.resume if t.resume in (None, "latest") else str(Path(t.resume).resolve())
+    target = None
     if resume is not None:
         from workbench.checkpoint.load import check_resume
 
-        check_resume(resume, ckpt_dir or run_dir / "checkpoints", job.model)  # ValueError naming the problem
-    return dataclasses.replace(job, train=dataclasses.replace(t, ckpt_dir=ckpt_dir, resume=resume))
+        target = check_resume(resume, ckpt_dir or run_dir / "checkpoints", job.model, model_state)  # ValueError naming the problem
+    return dataclasses.replace(job, train=dataclasses.replace(t, ckpt_dir=ckpt_dir, resume=resume)), target
 
 
 def launch(
@@ -508,9 +569,17 @@ def launch(
     parallel: ParallelConfig | dict | None = None,
     train: TrainConfig | dict | None = None,
     fail_at: dict[str, int] | None = None,
+    overwrite: bool = False,
+    task: "Task | None" = None,
     **settings: Any,
 ) -> Run:
     """Validate, write ``RUN_DIR/config.json``, start torchrun, and return the live :class:`Run`.
+
+    ``out`` is the run directory (default: a fresh temporary one). One that already holds a run (a
+    ``config.json`` or ``events.jsonl``) is refused with a ValueError (:class:`RunDirInUse`) unless the
+    job resumes (``resume=...``), which starts a fresh event stream there, or ``overwrite=True``, which
+    deletes the earlier run first: its events, config, logs, memory timelines and checkpoints (those are
+    kept when the job also resumes; :mod:`workbench.train.rundir`).
 
     ``parallel`` and ``train`` are the configs (:class:`ParallelConfig`, :class:`TrainConfig`).
     ``settings`` are shortcuts for any of their fields (``tp=2``, ``steps=20``, ``resume="latest"``),
@@ -522,20 +591,34 @@ def launch(
     ``rdzv_id`` names the job there (default ``"workbench"``, the same everywhere); a node waits
     ``rdzv_timeout_s`` for the others (default ``$WORKBENCH_RDZV_TIMEOUT_S`` or 300 s). Each node writes
     its own run directory: give each its own ``out`` (see docs/multinode.md).
+
+    ``task``: another training loop on the same ranks, events, checkpoints and :class:`Run` (a
+    :class:`Task`, e.g. ``workbench.embedding.embedding_task(...)``); None trains the language model.
     """
     nodes = node_settings(nnodes, node_rank, rdzv_endpoint, rdzv_id, rdzv_timeout_s)
-    job = build_job(model, nproc=nproc, nnodes=nnodes, parallel=parallel, train=train, **settings)
+    build = task.build if task is not None else build_job
+    job = build(model, nproc=nproc, nnodes=nnodes, parallel=parallel, train=train, **settings)
     if fail_at is not None:
         job = dataclasses.replace(job, fail_at=fail_at)
     if nodes is not None:
         job = dataclasses.replace(job, nodes=nodes)
     run_dir = Path(out) if out is not None else _default_run_dir()
-    job = _checkpoint_paths(job, run_dir)
+    check_reusable(run_dir, resume=job.train.resume is not None, overwrite=overwrite)
+    expected = (task.model_state(job) if task is not None and task.model_state is not None
+                and job.train.resume is not None else None)
+    job, resume_target = _checkpoint_paths(job, run_dir, expected)  # the last check: nothing is deleted or written before it
+    if overwrite:  # the earlier run goes, checkpoints included unless this job resumes from them
+        clear_run(run_dir, keep_checkpoints=job.train.resume is not None)
     run_dir.mkdir(parents=True, exist_ok=True)
-    stale = [p for p in ("events.jsonl",) if (run_dir / p).exists()]
-    for p in stale:  # a reused directory starts a fresh event stream
-        (run_dir / p).unlink()
+    if (run_dir / EVENTS_FILE).exists():  # a resumed run starts a fresh event stream
+        (run_dir / EVENTS_FILE).unlink()
     (run_dir / "config.json").write_text(json.dumps(job.to_dict(), indent=2))
+    if task is not None:  # the ranks' worker runs the task's loop when this file is there
+        for name, text in task.files.items():
+            (run_dir / name).write_text(text)
+        (run_dir / TASK_FILE).write_text(json.dumps({"name": task.name, "entry": task.entry}))
+    else:
+        (run_dir / TASK_FILE).unlink(missing_ok=True)
     log_path = run_dir / "launcher.log"
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -551,7 +634,7 @@ def launch(
             env=env,
             start_new_session=True,  # its own process group: stop() reaches torchrun and every rank
         )
-    return Run(job, run_dir, proc, log_path)
+    return Run(job, run_dir, proc, log_path, resume_target)
 
 
-__all__ = ["launch", "build_job", "Run", "RunFailed", "EventReader"]
+__all__ = ["launch", "build_job", "Run", "RunFailed", "RunDirInUse", "EventReader", "Task"]

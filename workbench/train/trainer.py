@@ -32,6 +32,7 @@ from workbench.train.data import make_dataset
 from workbench.train.events import EventWriter
 from workbench.train import flops
 from workbench.train.launcher import job_device
+from workbench.train.resumed import describe_layout, layout_changes
 from workbench.parallel.apply import optimizer_impl_of
 from workbench.parallel.compile import compiled_blocks
 from workbench.parallel.precision import set_tf32
@@ -147,8 +148,15 @@ def train(job: JobConfig, run_dir: str) -> None:
                                  f"steps, not global_batch={tcfg.global_batch} per step; resume with the "
                                  "global_batch it was saved with")
             start_step = res.step
+            # What it resumed from, and whether the layout moved (the manifest records the saved one):
+            # the CLI, Run.resumed and the dashboard say so instead of showing a run that starts at 0.
+            saved, now = res.manifest.get("layout"), pcfg.to_dict()
+            changes = layout_changes(saved, now)
             events.emit("resume", step=res.step, path=str(res.path), load_s=time.perf_counter() - t_load,
-                        saved_layout=res.manifest.get("layout"), skipped=res.skipped, read=res.read)
+                        saved_layout=saved, layout=now, layout_changed=None if changes is None else bool(changes),
+                        layout_changes=changes, saved_layout_desc=describe_layout(saved),
+                        layout_desc=pcfg.describe(), saved_world_size=res.manifest.get("world_size"),
+                        world_size=world, steps=tcfg.steps, skipped=res.skipped, read=res.read)
         dataset = make_dataset(tcfg.data, mcfg.vocab_size, tcfg.seq_len, tcfg.seed)
         d_rank = dp_rank(pcfg, rank)
         tokens_per_step = tcfg.global_batch * tcfg.seq_len

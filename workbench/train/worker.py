@@ -6,6 +6,7 @@ An exception becomes an ``error`` event carrying the traceback, so the launcher 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -61,7 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         job = JobConfig.load(os.path.join(run_dir, "config.json"))
-        train(job, run_dir)
+        task = os.path.join(run_dir, "task.json")  # another loop on these ranks (workbench.train.launcher.Task)
+        if os.path.exists(task):
+            import importlib
+
+            with open(task) as f:
+                module, _, function = json.load(f)["entry"].partition(":")
+            if not module.startswith("workbench."):  # a run directory names code to run: only ours
+                raise ValueError(f"{task} names {module!r}; a task's entry must be a workbench module")
+            getattr(importlib.import_module(module), function)(job, run_dir)
+        else:
+            train(job, run_dir)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the event stream
         if isinstance(exc, KeyboardInterrupt):
             return 130
