@@ -48,11 +48,18 @@ def test_resume_continues_exactly_and_in_another_layout(tmp_path):
     again = train_embedding(MODEL, out=tmp_path / "again", steps=6, resume=str(ckpt), **kw)
     assert again.metrics["step"].tolist() == [3, 4, 5]
     assert again.metrics["loss"].tolist() == ref[3:]
+    # refused before anything starts, in one line: another head, a directory that holds a run
+    with pytest.raises(ValueError, match="does not fit this model: it has no model.encoder.projection.weight"):
+        train_embedding(MODEL, out=tmp_path / "proj", steps=6, resume=str(ckpt), projection=32, **kw)
+    with pytest.raises(ValueError, match="already holds a run"):
+        train_embedding(MODEL, out=tmp_path / "full", steps=6, **kw)
+    assert not (tmp_path / "proj").exists() and len(full.metrics) == 6
     tp = train_embedding(MODEL, out=tmp_path / "tp", steps=6, resume=str(ckpt), tp=2, timeout_s=240, **kw)
     got = tp.metrics[tp.metrics["rank"] == 0]["loss"].tolist()
     assert got == pytest.approx(ref[3:], rel=1e-4)
     resume = next(e for e in tp.events if e["type"] == "resume" and e["rank"] == 0)
-    assert resume["step"] == 3 and resume["layout_changed"] and resume["layout"] == "tp=2"
+    assert resume["step"] == 3 and resume["layout_changed"] and resume["layout_desc"] == "tp=2"
+    assert resume["layout_changes"] == {"tp": [1, 2]}
 
 
 @pytest.mark.parametrize("args, message", [

@@ -26,6 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_arguments(p, ("parallel", "train"))
     add_arguments(p, "model", given_only=True)
     p.add_argument("--out", default=None, help="run directory (default: ./runs/embedding-<time>)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (its events, config and logs; checkpoints are kept)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="stop every rank after this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of progress")
@@ -43,9 +45,13 @@ def cmd_train_embedding(args: argparse.Namespace) -> int:
         build_embedding_job(args.model, **settings)  # every setting checked before anything starts
     except ValueError as e:
         return error(str(e), args.json)
+    from workbench.train.rundir import RunDirInUse
+
     try:
         run = train_embedding(args.model, out=args.out, timeout_s=args.timeout, progress=not args.json,
-                              in_process=False, **settings)
+                              in_process=False, overwrite=args.overwrite, **settings)
+    except RunDirInUse as e:
+        return error(e.for_cli(), args.json)
     except ValueError as e:  # e.g. --resume: no complete checkpoint there
         return error(str(e), args.json)
     except (RuntimeError, TimeoutError) as e:

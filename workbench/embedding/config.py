@@ -28,7 +28,7 @@ class EmbeddingConfig(_JsonMixin):
     learn_temperature: bool = setting(False, "learn the temperature (log-parameterised, at least 0.01)")
     matryoshka: str = setting("", "Matryoshka prefixes: the loss is summed over these embedding sizes, e.g. "
                               "'64,32' (empty: the whole embedding only)")
-    hard_negatives: bool = setting(True, "append each query's hard negative (a verse a few pairs on) to the "
+    hard_negatives: bool = setting(True, "append each query's hard negative (from a verse a few lines on) to the "
                                    "candidates")
     chunk: int | None = setting(None, "GradCache chunk: rows per forward with gradients; the loss still "
                                 "sees the whole global batch", min=1, none="the rank's whole batch")

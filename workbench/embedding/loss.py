@@ -60,11 +60,13 @@ class InfoNCE(nn.Module):
     at most 100 like CLIP's). ``dims``: Matryoshka prefixes; the loss is summed over them, each prefix
     L2-normalised on its own. ``group``: the data-parallel group whose ranks' candidates are negatives
     (None: the default group if one is initialised). ``gather=False``: this rank's candidates only (a
-    layout without data parallelism, whose other ranks hold the same rows, e.g. tensor-parallel ranks).
+    layout without data parallelism, whose other ranks hold the same rows, e.g. tensor-parallel ranks); a
+    callable ``gather(x, group)``: that gather instead (:mod:`workbench.embedding.check` passes the common
+    wrong one, to show what it costs).
     """
 
     def __init__(self, temperature: float = 0.05, learn_temperature: bool = False, dims: tuple[int, ...] | None = None,
-                 group=None, gather: bool = True):
+                 group=None, gather=True):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0, e.g. 0.05")
@@ -85,7 +87,7 @@ class InfoNCE(nn.Module):
         if queries.shape != positives.shape or (hard is not None and hard.shape != queries.shape):
             raise ValueError(f"queries {tuple(queries.shape)}, positives {tuple(positives.shape)} and hard negatives "
                              f"{None if hard is None else tuple(hard.shape)} must have the same shape")
-        gather = gather_with_grad if self.gather else (lambda x, group: x)
+        gather = (self.gather if callable(self.gather) else gather_with_grad) if self.gather else (lambda x, group: x)
         cands = gather(positives, self.group)
         if hard is not None:
             cands = torch.cat([cands, gather(hard, self.group)], dim=0)

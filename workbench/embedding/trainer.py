@@ -25,8 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -59,7 +57,8 @@ from workbench.train.step import clip_grads_, lr_lambda
 
 EMBEDDING_FILE = "embedding.json"
 
-__all__ = ["EmbeddingModel", "EmbeddingRun", "build_encoder", "check_layout", "train_embedding", "train_rank"]
+__all__ = ["EmbeddingModel", "EmbeddingRun", "build_encoder", "check_layout", "train_embedding", "train_rank",
+           "embedding_task"]
 
 
 class EmbeddingModel(nn.Module):
@@ -134,6 +133,16 @@ def build_encoder(mcfg: ModelConfig, pcfg: ParallelConfig, tcfg: TrainConfig, ec
     loss = InfoNCE(ecfg.temperature, learn_temperature=ecfg.learn_temperature, dims=ecfg.dims(), group=group,
                   gather=pcfg.dp > 1)
     return EmbeddingModel(encoder, loss.to(device))
+
+
+def expected_state(mcfg: ModelConfig, ecfg: EmbeddingConfig) -> dict[str, torch.Tensor]:
+    """The state dict an embedding checkpoint holds under ``model.``, on the meta device (no memory): what a
+    resume is checked against before any rank starts."""
+    with torch.device("meta"):
+        encoder = Encoder(mcfg, ecfg.pooling, model=drop_head(build_model(mcfg, seed=None, device="meta")),
+                          projection=ecfg.projection)
+        loss = InfoNCE(ecfg.temperature, learn_temperature=ecfg.learn_temperature)
+    return EmbeddingModel(encoder, loss).state_dict()
 
 
 def dp_group(pcfg: ParallelConfig):
@@ -246,11 +255,15 @@ def _train(job: JobConfig, ecfg: EmbeddingConfig, run_dir, rank: int, world: int
                              "saved with")
         start = state.step = res.step
         state.consumed_samples = res.consumed_samples
-        saved = res.manifest.get("layout")
-        saved_layout = ParallelConfig.from_dict(saved).describe() if saved else None
+        from workbench.train.resumed import describe_layout, layout_changes
+
+        saved, now = res.manifest.get("layout"), pcfg.to_dict()  # the main trainer's resume event, field for field
+        changes = layout_changes(saved, now)
         events.emit("resume", step=res.step, path=str(res.path), load_s=time.perf_counter() - t0,
-                    saved_layout=saved_layout, layout=pcfg.describe(),
-                    layout_changed=saved_layout is not None and saved_layout != pcfg.describe())
+                    saved_layout=saved, layout=now, layout_changed=None if changes is None else bool(changes),
+                    layout_changes=changes, saved_layout_desc=describe_layout(saved), layout_desc=pcfg.describe(),
+                    saved_world_size=res.manifest.get("world_size"), world_size=world, steps=tcfg.steps,
+                    skipped=res.skipped, read=res.read)
 
     sync = _grad_sync(encoder.backbone)
     group = loss_fn.group
@@ -309,6 +322,7 @@ class EmbeddingRun(RendersInNotebook):
 
     run_dir: Path
     returncode: int = 0
+    run: Any = None  # the launched workbench.Run (status, stop, root cause), when it ran through launch()
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -354,7 +368,7 @@ class EmbeddingRun(RendersInNotebook):
                 f"<table><tr><th>step</th><th>top-1 retrieval</th></tr>{rows}</table>")
 
 
-def build_embedding_job(model: str | ModelConfig | dict = "tiny", *, nproc: int | None = None,
+def build_embedding_job(model: str | ModelConfig | dict = "tiny", *, nproc: int | None = None, nnodes: int = 1,
                         parallel: ParallelConfig | dict | None = None, train: TrainConfig | dict | None = None,
                         embedding: EmbeddingConfig | dict | None = None,
                         **settings: Any) -> tuple[JobConfig, EmbeddingConfig]:
@@ -368,7 +382,7 @@ def build_embedding_job(model: str | ModelConfig | dict = "tiny", *, nproc: int 
         embedding = EmbeddingConfig.from_dict(embedding)
     ecfg = replace(embedding or EmbeddingConfig(), **emb)
     train = TrainConfig.from_dict(train) if isinstance(train, dict) else train
-    job = build_job(model, nproc=nproc, parallel=parallel, train=train, **settings)
+    job = build_job(model, nproc=nproc, nnodes=nnodes, parallel=parallel, train=train, **settings)
     job = replace(job, train=replace(job.train, data="text"))  # recorded in config.json: the shipped text
     check_train_settings(job.train)
     check_layout(job.model, job.parallel)
@@ -384,79 +398,111 @@ def train_embedding(model: str | ModelConfig | dict = "tiny", *, out: str | Path
                     nproc: int | None = None, parallel: ParallelConfig | dict | None = None,
                     train: TrainConfig | dict | None = None, embedding: EmbeddingConfig | dict | None = None,
                     in_process: bool | None = None, timeout_s: float | None = None, progress: bool = True,
-                    **settings: Any) -> EmbeddingRun:
+                    overwrite: bool = False, **settings: Any) -> EmbeddingRun:
     """Train a contrastive sentence encoder on verse pairs from the shipped text and return the run.
 
     ``settings``: fields of ParallelConfig (``dp_shard=2``, ``tp=2``), TrainConfig (``steps``,
     ``global_batch``, ``lr``, ``ckpt_every``, ``resume``), EmbeddingConfig (``pooling``, ``chunk``,
-    ``matryoshka``, ``task``, ...) or the model (``dropout``). Several ranks run under torchrun (``python -m
-    torch.distributed.run``, gloo on CPU, NCCL on GPUs), each writing to ``out/events.jsonl``; one rank runs
-    in this process unless ``in_process=False``. ``progress``: a tqdm bar over the steps, with the loss and
-    the latest retrieval accuracy. Raises ValueError for invalid settings (before anything starts) and
-    RuntimeError with the failing rank's message.
+    ``matryoshka``, ``task``, ...) or the model (``dropout``). Several ranks run through
+    :func:`workbench.launch` (torchrun; gloo on CPU, NCCL on GPUs: the same ranks, events and failure
+    reports as language-model runs); one rank runs in this process unless ``in_process=False``.
+    ``out``: the run directory; one that holds a run is refused unless ``resume`` or ``overwrite=True``.
+    ``progress``: a tqdm bar over the steps, with the loss and the latest retrieval accuracy. Raises
+    ValueError for invalid settings (before anything starts), RuntimeError with the failing rank's
+    message, TimeoutError after ``timeout_s`` (every rank stopped).
     """
+    from workbench.train.rundir import check_reusable, clear_run
+
     job, ecfg = build_embedding_job(model, nproc=nproc, parallel=parallel, train=train, embedding=embedding,
                                     **settings)
     run_dir = Path(out) if out is not None else Path("runs") / ("embedding-" + time.strftime("%Y%m%d-%H%M%S"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    t = job.train
-    if t.ckpt_dir or t.resume not in (None, "latest"):  # ranks may run elsewhere: absolute paths
-        job = replace(job, train=replace(t, ckpt_dir=str(Path(t.ckpt_dir).resolve()) if t.ckpt_dir else None,
-                                         resume=t.resume if t.resume in (None, "latest") else str(Path(t.resume).resolve())))
-    (run_dir / "events.jsonl").unlink(missing_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(job.to_dict(), indent=2))
-    (run_dir / EMBEDDING_FILE).write_text(ecfg.to_json())
     world = job.parallel.world_size
     if in_process is None:
         in_process = world == 1
     if in_process and world != 1:
         raise ValueError(f"in_process=True runs one rank; the layout {job.parallel.describe()} has {world}")
+    if not in_process:
+        from workbench.train.launcher import launch
+
+        names = set(EmbeddingConfig.__dataclass_fields__)  # already in ecfg
+        rest = {k: v for k, v in settings.items() if k not in names}
+        run = launch(model, out=run_dir, nproc=nproc, parallel=parallel, train=train, task=embedding_task(ecfg),
+                     overwrite=overwrite, **rest)
+        return _follow(run, timeout_s, _Progress(run_dir, job) if progress else None)
+    check_reusable(run_dir, resume=job.train.resume is not None, overwrite=overwrite)
+    if job.train.resume is not None:  # before anything is written: the checkpoint exists and fits
+        from workbench.checkpoint.load import check_resume
+
+        root = job.train.ckpt_dir or run_dir / "checkpoints"
+        check_resume(job.train.resume, root, job.model, expected_state(job.model, ecfg))
+    if overwrite:
+        clear_run(run_dir, keep_checkpoints=job.train.resume is not None)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "events.jsonl").unlink(missing_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(job.to_dict(), indent=2))
+    (run_dir / EMBEDDING_FILE).write_text(ecfg.to_json())
+    from workbench.embedding import worker
+
     bar = _Progress(run_dir, job) if progress else None
     try:
-        if in_process:
-            from workbench.embedding import worker
-
-            with _polling(bar):
-                code = worker.main([str(run_dir)], raise_errors=True)
-            return EmbeddingRun(run_dir, code)
-        code = _run_ranks(run_dir, world, timeout_s, bar)
+        with _polling(bar):
+            code = worker.main([str(run_dir)], raise_errors=True)
     finally:
         if bar is not None:
             bar.close()
-    run = EmbeddingRun(run_dir, code)
-    if code != 0:
-        raise RuntimeError(f"embedding run failed (exit {code}): {run.error or 'no error event'}; see "
-                           f"{run_dir / 'launcher.log'}")
-    return run
+    return EmbeddingRun(run_dir, code)
 
 
-def _run_ranks(run_dir: Path, world: int, timeout_s: float | None, bar: "_Progress | None") -> int:
-    """torchrun with ``world`` local ranks; returns its exit code (kills the group after ``timeout_s``)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores: one intra-op thread each
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={world}",
-           "--max-restarts=0", "--module", "workbench.embedding.worker", str(run_dir)]
+def embedding_task(embedding: EmbeddingConfig | dict | None = None):
+    """This trainer as a :class:`workbench.train.launcher.Task`: ``workbench.launch(..., task=embedding_task(cfg))``
+    starts it on the launcher's ranks (the settings then hold no EmbeddingConfig fields: they are in ``cfg``)."""
+    from workbench.train.launcher import Task
+
+    if isinstance(embedding, dict):
+        embedding = EmbeddingConfig.from_dict(embedding)
+    ecfg = embedding or EmbeddingConfig()
+    names = set(EmbeddingConfig.__dataclass_fields__)
+
+    def build(model, **settings) -> JobConfig:
+        given = sorted(k for k in settings if k in names)
+        if given:
+            raise ValueError(f"{', '.join(given)}: embedding settings of a task go in its EmbeddingConfig "
+                             "(embedding_task(EmbeddingConfig(...)))")
+        return build_embedding_job(model, embedding=ecfg, **settings)[0]
+
+    return Task(name="embedding", entry="workbench.embedding.trainer:task_main", build=build,
+                files={EMBEDDING_FILE: ecfg.to_json()}, model_state=lambda job: expected_state(job.model, ecfg))
+
+
+def task_main(job: JobConfig, run_dir: str) -> None:
+    """A rank of an embedding task (the launcher's worker calls it): the settings from ``embedding.json``."""
+    ecfg = EmbeddingConfig.from_dict(json.loads((Path(run_dir) / EMBEDDING_FILE).read_text()))
+    train_rank(job, ecfg, run_dir)
+
+
+def _follow(run, timeout_s: float | None, bar: "_Progress | None") -> EmbeddingRun:
+    """Wait for a launched run, feeding the progress bar; stop every rank on timeout or Ctrl-C."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    with open(run_dir / "launcher.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
-        try:
-            while proc.poll() is None:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"the embedding run in {run_dir} took longer than {timeout_s:g} s; all ranks "
-                                       f"were stopped; raise timeout_s or lower steps (log: {run_dir / 'launcher.log'})")
-                if bar is not None:
-                    bar.poll()
-                time.sleep(0.2)
-        except BaseException:  # a timeout or Ctrl-C: no rank outlives the call
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            raise
-    if bar is not None:
-        bar.poll()
-    return proc.returncode
+    try:
+        while not run.done:
+            if deadline is not None and time.monotonic() > deadline:
+                run.stop()
+                raise TimeoutError(f"the embedding run in {run.run_dir} took longer than {timeout_s:g} s; every rank "
+                                   "was stopped; raise timeout_s or lower steps")
+            if bar is not None:
+                bar.poll()
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        run.stop()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    result = EmbeddingRun(run.run_dir, run.returncode or 0, run=run)
+    err = run.error
+    if err is not None:
+        raise RuntimeError(f"embedding run failed: {err}; see {run.log_path}")
+    return result
 
 
 class _Progress:

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     # not survive a fork of a process that has touched the driver, and a GPU machine needs no page sharing.
     fork = job.get("device") == "cpu" and not os.environ.get(FRESH_RANKS_ENV)
     if fork:
-        worker.preload()
+        worker.preload(run_dir)
 
     def stop_on_signal(signum: int, frame: Any) -> None:
         # torchrun installs its own handler once its ranks start; before that (the rendezvous) SIGTERM

@@ -22,16 +22,34 @@ from workbench.train.outcome import is_peer_loss
 PEER_LOSS_EXIT_DELAY_S = 1.0
 
 
-def preload() -> None:
-    """Import what a rank imports, in the process that forks the ranks, so they share those pages with it;
-    then move every object there out of the garbage collector's reach (``gc.freeze``): a collection in a
-    rank would otherwise write to the header of every object it examines, copying the pages they sit on."""
+def preload(run_dir: str | None = None) -> None:
+    """Import what a rank imports, in the process that forks the ranks, so they share those pages with it
+    (a task's entry module too, named in ``RUN_DIR/task.json``); then move every object there out of the
+    garbage collector's reach (``gc.freeze``): a collection in a rank would otherwise write to the header
+    of every object it examines, copying the pages they sit on."""
     import gc
+    import importlib
 
     import workbench.train.trainer  # noqa: F401
 
+    entry = _task_entry(run_dir) if run_dir is not None else None
+    if entry is not None:
+        importlib.import_module(entry[0])
+
     gc.collect()
     gc.freeze()
+
+
+def _task_entry(run_dir: str) -> tuple[str, str] | None:
+    """``(module, function)`` of the run's task (``RUN_DIR/task.json``), or None for language modelling."""
+    task = os.path.join(run_dir, "task.json")
+    if not os.path.exists(task):
+        return None
+    with open(task) as f:
+        module, _, function = json.load(f)["entry"].partition(":")
+    if not module.startswith("workbench."):  # a run directory names code to run: only ours
+        raise ValueError(f"{task} names {module!r}; a task's entry must be a workbench module")
+    return module, function
 
 
 def rank_main(run_dir: str) -> int:
@@ -62,15 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         job = JobConfig.load(os.path.join(run_dir, "config.json"))
-        task = os.path.join(run_dir, "task.json")  # another loop on these ranks (workbench.train.launcher.Task)
-        if os.path.exists(task):
+        entry = _task_entry(run_dir)  # another loop on these ranks (workbench.train.launcher.Task)
+        if entry is not None:
             import importlib
 
-            with open(task) as f:
-                module, _, function = json.load(f)["entry"].partition(":")
-            if not module.startswith("workbench."):  # a run directory names code to run: only ours
-                raise ValueError(f"{task} names {module!r}; a task's entry must be a workbench module")
-            getattr(importlib.import_module(module), function)(job, run_dir)
+            getattr(importlib.import_module(entry[0]), entry[1])(job, run_dir)
         else:
             train(job, run_dir)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the event stream
