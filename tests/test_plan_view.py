@@ -19,7 +19,7 @@ from workbench.config import ParallelConfig
 from workbench.plan import ShardingPlan
 from workbench.widgets import ShardingPlanView
 from workbench.units import format_bytes
-from workbench.widgets.plan_view import ABSENT_COLOR, BLOCK_COLORS, LABEL_BLOCKS_MAX
+from workbench.widgets.plan_view import ABSENT_COLOR, COLOR_LEVELS, LABEL_BLOCKS_MAX
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +63,13 @@ def _expected_rectangles(plan: ShardingPlan, name: str, kind: str, xdim: int, yd
 
 
 def _mesh_z(view: ShardingPlanView) -> np.ndarray:
-    return np.stack([np.asarray(t.z, dtype=float) for t in view.mesh_fig.data])
+    return np.stack([np.asarray(t.z, dtype=float) for t in view.mesh_fig.data if (t.meta or {}).get("role") == "mesh"])
 
 
 def test_1d_mesh_draws_one_row_and_every_block(plans):
     plan = plans["1d"]
     view = ShardingPlanView(plan)
-    assert len(view.mesh_fig.data) == 1 and _mesh_z(view).shape == (1, 1, 4)  # dp_shard 4: one row of 4
+    assert _mesh_z(view).shape == (1, 1, 4)  # dp_shard 4: one row of 4
     assert view.tensor.name == "tok_embeddings.weight" and view.tensor.kind == "parameter"
     # (256, 128) embedding, S(0) over dp_shard: four 64-row blocks, one per rank, rows drawn down.
     assert _rectangles(view) == _expected_rectangles(plan, "tok_embeddings.weight", "parameter", 1, 0)
@@ -151,17 +151,20 @@ def test_3d_mesh_facets_over_pp_and_absent_ranks(plans):
     view = ShardingPlanView(plan, tensor="tok_embeddings.weight")
     z = _mesh_z(view)
     assert z.shape == (2, 2, 2)  # two facets (pp=0, pp=1), each dp_shard x tp
-    assert [a.text for a in view.mesh_fig.layout.annotations] == ["pp=0", "pp=1"]
-    absent = len(BLOCK_COLORS)  # the colour index of "holds none of it"
-    assert (z[1] == absent).all() and (z[0] != absent).all()  # the embedding lives on stage 0
-    assert view.mesh_fig.data[0].colorscale[-1][1] == ABSENT_COLOR
+    # The embedding lives on stage 0: stage 1's facet is dotted grey and says so, unlike a replica.
+    assert [a.text for a in view.mesh_fig.layout.annotations] == ["pp=0", "pp=1 · not on this stage"]
+    assert np.isnan(z[1]).all() and np.isfinite(z[0]).all()
+    absent = [t for t in view.mesh_fig.data if (t.meta or {}).get("role") == "absent"]
+    assert [t.name for t in absent if t.showlegend] == ["not on this stage"]
+    assert all(t.fillcolor == ABSENT_COLOR for t in absent)
     assert len(_rectangles(view)) == 4
     view.select_rank(7)  # a stage-1 rank
     assert "holds none of <b>tok_embeddings.weight</b> (it lives on stage 0)" in view.rank_info.value
     assert view.tensor_fig.layout.shapes == ()
     view.select_tensor("output.weight")
     z = _mesh_z(view)
-    assert (z[0] == absent).all() and (z[1] != absent).all()
+    assert np.isnan(z[0]).all() and np.isfinite(z[1]).all()
+    assert [a.text for a in view.mesh_fig.layout.annotations] == ["pp=0 · not on this stage", "pp=1"]
     (cell,) = view.mesh_fig.layout.shapes
     assert cell.xref == "x2" and cell.yref == "y2"  # rank 7's cell is in the second facet
 
@@ -208,7 +211,7 @@ def test_llama_70b_on_1024_ranks_stays_quick(big_plan):
     t0 = time.perf_counter()
     view = ShardingPlanView(plan)
     construct = time.perf_counter() - t0
-    assert _mesh_z(view).shape == (1, 8, 128)  # dp_shard 128 across, tp 8 down
+    assert _mesh_z(view).shape == (1, 8, 64)  # dp_shard 128 across (2 ranks a cell), tp 8 down
     assert all(len(t.x) == 1024 for t in view.bytes_fig.data)
 
     t0 = time.perf_counter()
@@ -216,9 +219,9 @@ def test_llama_70b_on_1024_ranks_stays_quick(big_plan):
     switch = time.perf_counter() - t0
     # 1024 distinct blocks are drawn once each, in a handful of traces (not one shape per rank).
     rects = _rectangles(view)
-    assert len(rects) == 1024 and len(view.tensor_fig.data) <= len(BLOCK_COLORS) + 3
+    assert len(rects) == 1024 and len(view.tensor_fig.data) <= COLOR_LEVELS + 3
     assert rects == _expected_rectangles(plan, "layers.40.feed_forward.w2.weight", "gradient", 1, 0)
-    assert len(view.tensor_fig.layout.annotations) == 0  # too many blocks to label: hover only
+    assert len(view.tensor_fig.layout.annotations) <= LABEL_BLOCKS_MAX  # a few evenly spaced labels
 
     view.select_tensor("layers.40.ffn_norm.weight")  # S(0) over dp_shard, replicated over tp
     assert len(view.blocks) == 128 and set(view.blocks["replicas"]) == {8}

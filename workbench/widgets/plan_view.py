@@ -8,15 +8,21 @@ A thin view: every number comes from the plan (``plan.blocks``, ``plan.block_gro
     view.select_tensor("layers.3.attention.wq.weight")      # pick a tensor
     view.select_rank(17)                                    # or click a cell of the mesh
 
-* **mesh**: the device mesh as a grid of ranks. Mesh dims of size 1 are dropped; the last two remaining
-  dims are the grid (x = the outer one, y = the inner one, e.g. dp_shard x tp), any dims before them
-  (e.g. pp) become small multiples stacked top to bottom. Each cell is coloured by the block of the
-  selected tensor that rank holds, so ranks of one colour are replicas of one block.
+* **mesh**: the device mesh as a grid of ranks, every dim shown (ep included: it splits dp_shard into
+  dp_shard_mod_ep x ep, a rank's ep index being ``s % ep``). Dims of size 1 are dropped; the last two
+  remaining dims are the grid (x = the outer one, y = the inner one, e.g. dp_shard x tp), the ones before
+  them become small multiples stacked top to bottom (pp always; others fold into x beyond 8 facets). Past
+  64 x 16 cells a cell stands for several neighbouring ranks (the axis titles say how many), so 16,384
+  ranks stay as legible as 8. Each cell is coloured by the index of the block of the selected tensor its
+  (first) rank holds, on one continuous scale with a colour bar. A facet of another pipeline stage is
+  dotted grey and titled "not on this stage", which is not the same as a replica (pp copies nothing, so
+  pp is never listed as a placement).
 * **tensor**: the selected tensor partitioned into the blocks the ranks hold. A 2-D tensor is a rectangle
   (rows down, columns across), a 1-D tensor a bar; an N-D tensor is drawn over its two sharded (else
-  largest) dims and the other dims are named in the title. Each *distinct* block is drawn once and
-  labelled with who holds it ("r3", or "x8" for 8 replicas; in the hover when there are more than 64
-  blocks), so 1024 ranks never mean 1024 overlapping shapes::
+  largest) dims and the other dims are named in the title. Each *distinct* block is drawn once, coloured
+  on the mesh's scale, and at most 16 evenly spaced blocks are labelled with who holds them ("r3", or "x8"
+  for 8 replicas; the hover says it for every block). Beyond 1024 blocks the tensor is a raster of at most
+  256 x 256 cells, each coloured by the block covering it (thousands of sub-pixel strips draw nothing)::
 
         placements (dp_shard=S(0), tp=S(1)) on a 2 x 2 mesh:      state per block
         +---------+---------+                                      solid       sharded: a slice
@@ -24,6 +30,7 @@ A thin view: every number comes from the plan (``plan.blocks``, ``plan.block_gro
         +---------+---------+                                      hatched x   partial: a summand of
         | r2      | r3      |   rows n/2:n                                     the full tensor
         +---------+---------+
+  The block table beside it gives each block's replica count and the ranks holding it.
 * **bytes per rank**: parameter, gradient, optimizer and master bytes stacked, one bar per rank.
 * **rank**: the selected rank's coordinates, its local shape and offsets of the selected tensor, and its
   byte totals.
@@ -61,7 +68,11 @@ from workbench.widgets.memory_view import CATEGORY_COLORS as MEMORY_COLORS
 
 CATEGORIES = STATE_KINDS
 CATEGORY_COLORS = {k: KIND_COLORS[k] for k in STATE_KINDS}
-BLOCK_COLORS = tuple(plotly.colors.qualitative.Plotly)  # block i gets BLOCK_COLORS[i % 10]
+# Block b of n is drawn at b / (n - 1) on one continuous scale (a colour bar says which is which), so a colour
+# names one block, or a run of neighbouring blocks, never ten blocks at once. The tensor panel quantizes it
+# into at most COLOR_LEVELS traces.
+BLOCK_COLORSCALE = "Viridis"
+COLOR_LEVELS = 32
 # How a block's state is drawn: solid for a slice, hatched for a full copy, cross-hatched and dotted
 # outline for a summand (a partial value every rank of the group adds to).
 STATE_STYLE = {
@@ -69,9 +80,15 @@ STATE_STYLE = {
     "replicated": {"pattern": "/", "dash": "solid", "label": "replicated: a full copy"},
     "partial": {"pattern": "x", "dash": "dot", "label": "partial: a summand of the whole"},
 }
-ABSENT_COLOR = "#dddddd"  # a mesh cell whose rank holds none of the tensor (another stage or owner)
+ABSENT_COLOR = "#dddddd"  # a mesh cell whose rank holds none of the tensor (another stage or owner), dotted
+ABSENT_PATTERN = "."  # unlike "/" (replicated) and "x" (partial): holding nothing is not holding a copy
 BLOCKS_CACHE = 64  # tensors whose blocks the view keeps, so going back and forth is instant
-LABEL_BLOCKS_MAX = 64  # above this many distinct blocks, replica counts go in the hover, not on the picture
+LABEL_BLOCKS_MAX = 16  # at most this many blocks are labelled (evenly spaced); the rest say who in the hover
+TENSOR_POLYGONS_MAX = 1024  # above this many blocks the tensor is drawn as a raster of block indices
+TENSOR_RASTER = 256  # cells per side of that raster
+MESH_X_MAX = 64  # mesh cells drawn across; more ranks than this share a cell (aggregated)
+MESH_Y_MAX = 16  # mesh cells drawn down
+MESH_FACETS_MAX = 8  # facets beyond this fold their dims into the x axis (pp always stays a facet)
 PREDICTED_COLOR = "#000000"  # the predicted peak per rank, over the bytes per rank
 BUDGET_COLOR = "#d62728"
 
@@ -151,17 +168,9 @@ class ShardingPlanView:
         self._fit: Any = None
 
         self.rank_bytes = plan.rank_bytes()
-        # Mesh picture: drop size-1 dims; the last two are the grid, the ones before them the facets.
-        shape = tuple(plan.mesh_shape)
+        # Mesh picture (see _layout_mesh): size-1 dims dropped, ep split out of dp_shard, cells aggregated.
         self._coords = plan.all_coords()  # coords(rank) for every rank at once, row = rank
-        self._shown = [i for i, n in enumerate(shape) if n > 1]
-        grid = self._shown[-2:]
-        self._facet_dims = self._shown[:-2]
-        self._x_dim = grid[0] if grid else None
-        self._y_dim = grid[1] if len(grid) == 2 else None
-        self._facets = [()]
-        for d in self._facet_dims:
-            self._facets = [f + (c,) for f in self._facets for c in range(shape[d])]
+        self._n_blocks = 1
 
         style = {"description_width": "initial"}
         self.controls: dict[str, widgets.ValueWidget] = {
@@ -209,7 +218,8 @@ class ShardingPlanView:
         c["tensor"].observe(self._on_tensor_control, "value")
         c["rank"].observe(lambda ch: None if self._busy else self.select_rank(ch["new"]), "value")
         for trace in self.mesh_fig.data:
-            trace.on_click(self._on_mesh_click)
+            if (trace.meta or {}).get("role") == "mesh":
+                trace.on_click(self._on_mesh_click)
 
         self.widget = widgets.VBox([
             self.header,
@@ -494,55 +504,77 @@ class ShardingPlanView:
             y0, y1 = np.zeros(len(off)), np.ones(len(off))
         else:
             y0, y1 = off[:, ydim], off[:, ydim] + ln[:, ydim]
-        # Every block a closed rectangle, NaN between rectangles: one trace draws many of them.
-        gap = np.full(len(off), np.nan)
-        xs = np.stack([x0, x1, x1, x0, x0, gap], axis=1).astype(float)
-        ys = np.stack([y0, y0, y1, y1, y0, gap], axis=1).astype(float)
-        colors = blocks % len(BLOCK_COLORS)
-        outline = 0.6 if len(off) <= LABEL_BLOCKS_MAX else 0  # outlines of hundreds of thin strips hide the colours
+        n_blocks = max(len(uniq), 1)
+        self._n_blocks = n_blocks
+        cmax = max(n_blocks - 1, 1)
+        colorbar = {"title": {"text": "block", "side": "right"}, "thickness": 10, "len": 0.8,
+                    "tickformat": ",d"}
         traces: list[dict] = []
-        for state in [s for s in STATE_STYLE if s in set(states)] + sorted(set(states) - set(STATE_STYLE)):
-            st = STATE_STYLE.get(state, STATE_STYLE["sharded"])
-            for color in sorted(set(colors[states == state].tolist())):
-                sel = (states == state) & (colors == color)
-                traces.append(dict(
-                    type="scatter", x=xs[sel].ravel(), y=ys[sel].ravel(), mode="lines", fill="toself",
-                    fillcolor=BLOCK_COLORS[color],
-                    fillpattern={"shape": st["pattern"], "bgcolor": BLOCK_COLORS[color], "fgcolor": "white",
-                                 "fgopacity": 0.9, "size": 10} if st["pattern"] else None,
-                    line={"color": "black", "width": outline, "dash": st["dash"]}, hoverinfo="skip",
-                    showlegend=False, meta={"role": "blocks", "state": state}))
-            traces.append(dict(  # the legend entry for this state (a bar: legends show its pattern)
-                type="bar", x=[None], y=[None], name=st["label"], meta={"role": "legend", "state": state},
-                marker={"color": "#bbbbbb", "pattern": {"shape": st["pattern"], "fgcolor": "white"},
-                        "line": {"color": "black", "width": 0.6}}))
-        hover = [f"block {b} [{', '.join(f'{o}:{o + n}' for o, n in zip(o_, n_))}] · {s}<br>"
-                 f"held by {r} rank(s): {_rank_ranges(list(rk))}"
-                 for b, o_, n_, s, r, rk in zip(blocks.tolist(), off.tolist(), ln.tolist(), states, reps.tolist(),
-                                                ranks)]
-        centres_x, centres_y = (x0 + x1) / 2, (y0 + y1) / 2
-        traces.append(dict(  # invisible markers at the block centres: the hover text, and a click target
-            type="scatter", x=centres_x, y=centres_y, mode="markers", hovertext=hover, hoverinfo="text",
-            customdata=np.stack([blocks.astype(np.int64), np.array([rk[0] for rk in ranks], dtype=np.int64)],
-                                axis=1) if len(off) else None,
-            marker={"size": 14, "opacity": 0}, showlegend=False, meta={"role": "centres"}))
-        # With few blocks, each is labelled with who holds it: "r3" for one rank, "x8" for 8 replicas.
-        labels = [] if len(off) > LABEL_BLOCKS_MAX else [
-            {"x": x, "y": y, "text": f"×{r}" if r > 1 else f"r{rk[0]}", "showarrow": False,
-             "font": {"size": 11, "color": "black"}, "bgcolor": "rgba(255,255,255,0.75)"}
-            for x, y, r, rk in zip(centres_x.tolist(), centres_y.tolist(), reps.tolist(), ranks)]
-        reps = sorted(set(uniq["replicas"]))
-        rep_text = (f"each block held by {reps[0]} rank(s)" if len(reps) == 1
-                    else f"blocks held by {reps[0]}-{reps[-1]} ranks") if reps else "held by no rank"
+        labels: list[dict] = []
+        self._raster = None
+        if len(off) > TENSOR_POLYGONS_MAX:
+            traces = self._tensor_raster(shape, xdim, ydim, blocks, ranks, x0, x1, y0, y1, cmax, colorbar)
+        else:
+            # Every block a closed rectangle, NaN between rectangles: one trace draws many of them.
+            gap = np.full(len(off), np.nan)
+            xs = np.stack([x0, x1, x1, x0, x0, gap], axis=1).astype(float)
+            ys = np.stack([y0, y0, y1, y1, y0, gap], axis=1).astype(float)
+            levels = min(n_blocks, COLOR_LEVELS)
+            level = np.rint(blocks / cmax * (levels - 1)).astype(np.int64) if levels > 1 else np.zeros(len(off), int)
+            palette = plotly.colors.sample_colorscale(BLOCK_COLORSCALE, [i / max(levels - 1, 1) for i in range(levels)])
+            outline = 0.6 if len(off) <= 64 else 0  # outlines of hundreds of thin strips hide the colours
+            for state in [s for s in STATE_STYLE if s in set(states)] + sorted(set(states) - set(STATE_STYLE)):
+                st = STATE_STYLE.get(state, STATE_STYLE["sharded"])
+                for lv in sorted(set(level[states == state].tolist())):
+                    sel = (states == state) & (level == lv)
+                    traces.append(dict(
+                        type="scatter", x=xs[sel].ravel(), y=ys[sel].ravel(), mode="lines", fill="toself",
+                        fillcolor=palette[lv],
+                        fillpattern={"shape": st["pattern"], "bgcolor": palette[lv], "fgcolor": "white",
+                                     "fgopacity": 0.9, "size": 10} if st["pattern"] else None,
+                        line={"color": "black", "width": outline, "dash": st["dash"]}, hoverinfo="skip",
+                        showlegend=False, meta={"role": "blocks", "state": state}))
+                traces.append(dict(  # the legend entry for this state (a bar: legends show its pattern)
+                    type="bar", x=[None], y=[None], name=st["label"], meta={"role": "legend", "state": state},
+                    marker={"color": "#bbbbbb", "pattern": {"shape": st["pattern"], "fgcolor": "white"},
+                            "line": {"color": "black", "width": 0.6}}))
+            hover = [f"block {b} [{', '.join(f'{o}:{o + n}' for o, n in zip(o_, n_))}] · {s}<br>"
+                     f"held by {r} rank(s): {_rank_ranges(list(rk))}"
+                     for b, o_, n_, s, r, rk in zip(blocks.tolist(), off.tolist(), ln.tolist(), states, reps.tolist(),
+                                                    ranks)]
+            centres_x, centres_y = (x0 + x1) / 2, (y0 + y1) / 2
+            traces.append(dict(  # invisible markers at the block centres: the hover text, a click target, and
+                # the colour bar of the block scale
+                type="scatter", x=centres_x, y=centres_y, mode="markers", hovertext=hover, hoverinfo="text",
+                customdata=np.stack([blocks.astype(np.int64), np.array([rk[0] for rk in ranks], dtype=np.int64)],
+                                    axis=1) if len(off) else None,
+                marker={"size": 14, "opacity": 0, "color": blocks.astype(float), "colorscale": BLOCK_COLORSCALE,
+                        "cmin": 0, "cmax": cmax, "showscale": n_blocks > 1, "colorbar": colorbar},
+                showlegend=False, meta={"role": "centres"}))
+            # Labels on at most LABEL_BLOCKS_MAX blocks, evenly spaced: "r3" for one rank, "x8" for 8 replicas.
+            pick = sorted(set(np.linspace(0, len(off) - 1, min(len(off), LABEL_BLOCKS_MAX)).round().astype(int)
+                              .tolist())) if len(off) else []
+            labels = [{"x": float(centres_x[i]), "y": float(centres_y[i]),
+                       "text": f"×{reps[i]}" if reps[i] > 1 else f"r{ranks[i][0]}", "showarrow": False,
+                       "font": {"size": 11, "color": "black"}, "bgcolor": "rgba(255,255,255,0.75)"} for i in pick]
+        rep_set = sorted(set(uniq["replicas"]))
+        rep_text = (f"each block held by {rep_set[0]} rank(s)" if len(rep_set) == 1
+                    else f"blocks held by {rep_set[0]}-{rep_set[-1]} ranks") if rep_set else "held by no rank"
         rest = [f"dim {d}={shape[d]}" for d in range(len(shape)) if d not in dims]
+        raster = ""
+        if self._raster:
+            per = self._raster["per_cell"]
+            raster = (f"; drawn as {self._raster['cells']:,} cells, ~{per:,.0f} block(s) each" if per >= 1.5
+                      else f"; drawn as {self._raster['cells']:,} cells, each block over ~{1 / per:,.0f}" if per
+                      else f"; drawn as {self._raster['cells']:,} cells")
         title = (f"<b>{html.escape(t.name)}</b> [{t.kind}] {tuple(t.global_shape)}<br>"
-                 f"<span style='font-size:11px'>{len(uniq)} distinct block(s), {rep_text}"
+                 f"<span style='font-size:11px'>{len(uniq):,} distinct block(s), {rep_text}{raster}"
                  f"{'; not drawn (whole in every block): ' + ', '.join(rest) if rest else ''}</span>")
         with self.tensor_fig.batch_update():
             self.tensor_fig.data = ()
             self.tensor_fig.add_traces(traces)
-            centres = self.tensor_fig.data[-1]
-            centres.on_click(self._on_block_click)
+            target = self.tensor_fig.data[-1]
+            target.on_click(self._on_raster_click if self._raster else self._on_block_click)
             self.tensor_fig.layout.title = {"text": title, "font": {"size": 13}}
             self.tensor_fig.layout.annotations = labels
             self.tensor_fig.layout.xaxis = {"title": f"dim {xdim} ({shape[xdim]:,})", "range": [0, shape[xdim]],
@@ -555,92 +587,282 @@ class ShardingPlanView:
                                                 "zeroline": False, "showgrid": False}
         self._xy_dims = (xdim, ydim)
 
+    def _tensor_raster(self, shape, xdim, ydim, blocks, ranks, x0, x1, y0, y1, cmax, colorbar) -> list[dict]:
+        """Thousands of blocks as one heatmap: each cell is coloured by the block that covers its centre.
+
+        Sub-pixel rectangles draw nothing in a browser; a raster of at most TENSOR_RASTER^2 cells always
+        shows every block's place on the scale, whatever the rank count."""
+        w = shape[xdim]
+        h = shape[ydim] if ydim is not None else 1
+        nx, ny = min(w, TENSOR_RASTER), min(h, TENSOR_RASTER) if ydim is not None else 1
+        cx = (np.arange(nx) + 0.5) * w / nx
+        cy = (np.arange(ny) + 0.5) * h / ny
+        z = np.full((ny, nx), np.nan)
+        owner = np.full((ny, nx), -1, dtype=np.int64)
+        xi0, xi1 = np.searchsorted(cx, x0), np.searchsorted(cx, x1)
+        yi0, yi1 = np.searchsorted(cy, y0), np.searchsorted(cy, y1)
+        for b, rk, a, bb, c, d in zip(blocks.tolist(), ranks, xi0.tolist(), xi1.tolist(), yi0.tolist(), yi1.tolist()):
+            z[c:d, a:bb] = b
+            owner[c:d, a:bb] = rk[0]
+        self._raster = {"cells": nx * ny, "per_cell": len(blocks) / max(np.isfinite(z).sum(), 1),
+                        "x": cx, "y": cy, "owner": owner}
+        text = np.where(np.isfinite(z), np.char.add("block ", np.nan_to_num(z, nan=-1).astype(np.int64).astype(str)),
+                        "")
+        return [dict(type="heatmap", z=z, x=cx, y=cy if ydim is not None else [0.5], text=text,
+                     colorscale=BLOCK_COLORSCALE, zmin=0, zmax=cmax, showscale=True, colorbar=colorbar,
+                     customdata=owner, hovertemplate="%{text} (first held by rank %{customdata})<extra></extra>",
+                     meta={"role": "raster"})]
+
+    def _on_raster_click(self, trace: Any, points: Any, selector: Any) -> None:
+        if points.xs and self._raster is not None:
+            ix = int(np.argmin(np.abs(self._raster["x"] - points.xs[0])))
+            iy = int(np.argmin(np.abs(self._raster["y"] - points.ys[0]))) if len(self._raster["y"]) > 1 else 0
+            rank = int(self._raster["owner"][iy, ix])
+            if rank >= 0:
+                self.select_rank(rank)
+
     def _on_block_click(self, trace: Any, points: Any, selector: Any) -> None:
         if points.point_inds:
             self.select_rank(trace.customdata[points.point_inds[0]][1])
 
     # -- mesh ---------------------------------------------------------------------------------------
+    def _mesh_dims(self) -> list[tuple[str, int, np.ndarray]]:
+        """(name, size, coordinate of every rank) per mesh dim, ep included: ep is not a dim of the device
+        mesh but a split of dp_shard (a rank's ep index is ``s % ep``, its dp_shard_mod_ep ``s // ep``)."""
+        ep = int(getattr(getattr(self.plan, "parallel", None), "ep", 1) or 1)
+        out = []
+        for d, (name, size) in enumerate(zip(self.plan.mesh_dim_names, self.plan.mesh_shape)):
+            col = self._coords[:, d].astype(np.int64)
+            if name == "dp_shard" and ep > 1 and size % ep == 0:
+                out += [("dp_shard_mod_ep", size // ep, col // ep), ("ep", ep, col % ep)]
+            else:
+                out.append((name, int(size), col))
+        return out
+
+    def _rank_coords(self, rank: int) -> str:
+        """Every mesh coordinate of ``rank``, ep included (0 without expert parallelism)."""
+        parts = []
+        for d, name in enumerate(self.plan.mesh_dim_names):
+            s = int(self._coords[rank][d])
+            parts.append(f"{name}={s}")
+            if name == "dp_shard":
+                parts.append(f"ep={s % self._ep}")
+        return ", ".join(parts)
+
+    def _layout_mesh(self) -> None:
+        """Place every rank in the picture: facets (pp first), x (one or more dims, flattened) and y, then
+        aggregate to at most MESH_X_MAX x MESH_Y_MAX cells per facet."""
+        dims = self._mesh_dims()
+        shown = [d for d in dims if d[1] > 1]
+        self._shown_dims = shown
+        # pp is always a facet: a stage is a different set of layers, not a coordinate of one block grid.
+        stages = [d for d in shown if d[0] == "pp"]
+        rest = [d for d in shown if d[0] != "pp"]
+        x, y = (rest[-2:-1], rest[-1:]) if len(rest) >= 2 else (rest, [])  # one dim: a row
+        facets = stages + rest[:-2]
+        while math.prod(f[1] for f in facets) > MESH_FACETS_MAX and any(f[0] != "pp" for f in facets):
+            x.insert(0, facets.pop())  # fold the innermost facet dim into x
+        self._facet_dims, self._x_dims, self._y_dims = facets, x, y
+
+        def flat(group):
+            idx = np.zeros(self.world_size, dtype=np.int64)
+            for _, size, col in group:
+                idx = idx * size + col
+            return idx, math.prod(g[1] for g in group)
+
+        fi, nf = flat(facets)
+        xi, nx = flat(x)
+        yi, ny = flat(y)
+        self._bx, self._by = math.ceil(nx / MESH_X_MAX), math.ceil(ny / MESH_Y_MAX)
+        nxb, nyb = math.ceil(nx / self._bx), math.ceil(ny / self._by)
+        self._rank_cell = np.stack([fi, xi // self._bx, yi // self._by], axis=1)
+        flat_cell = (fi * nyb + yi // self._by) * nxb + xi // self._bx
+        self._cell_of = flat_cell
+        first = np.full(nf * nyb * nxb, self.world_size, dtype=np.int64)
+        np.minimum.at(first, flat_cell, np.arange(self.world_size))
+        self._cell_count = np.bincount(flat_cell, minlength=nf * nyb * nxb)
+        self._grid = first.reshape(nf, nyb, nxb)  # the first rank of each cell: what a click selects
+        sizes = [f[1] for f in facets]
+        self._facet_titles = [" · ".join(f"{n}={v}" for (n, _, _), v in zip(facets, np.unravel_index(k, sizes)))
+                              for k in range(nf)] if facets else [""]
+
     def _cell(self, rank: int) -> tuple[int, int, int]:
-        """(facet index, x, y) of ``rank`` in the mesh picture."""
-        c = self._coords[rank]
-        facet = self._facets.index(tuple(int(c[d]) for d in self._facet_dims)) if self._facet_dims else 0
-        x = int(c[self._x_dim]) if self._x_dim is not None else 0
-        y = int(c[self._y_dim]) if self._y_dim is not None else 0
-        return facet, x, y
+        """(facet index, x, y) of ``rank``'s cell in the mesh picture."""
+        f, x, y = self._rank_cell[rank]
+        return int(f), int(x), int(y)
+
+    @staticmethod
+    def _axis_title(group: list, per_cell: int) -> str:
+        name = " · ".join(n for n, _, _ in group)
+        return name + (f" ({per_cell} per cell)" if per_cell > 1 else "")
 
     def _mesh_figure(self) -> FigureWidget:
-        shape, names = tuple(self.plan.mesh_shape), tuple(self.plan.mesh_dim_names)
-        nx = shape[self._x_dim] if self._x_dim is not None else 1
-        ny = shape[self._y_dim] if self._y_dim is not None else 1
-        titles = [" · ".join(f"{names[d]}={v}" for d, v in zip(self._facet_dims, f)) for f in self._facets]
-        rows = len(self._facets)
-        fig = make_subplots(rows=rows, cols=1, subplot_titles=titles if self._facet_dims else None,
+        self._ep = int(getattr(getattr(self.plan, "parallel", None), "ep", 1) or 1)
+        self._layout_mesh()
+        rows, nyb, nxb = self._grid.shape
+        has_facets = bool(self._facet_dims)
+        fig = make_subplots(rows=rows, cols=1, subplot_titles=self._facet_titles if has_facets else None,
                             vertical_spacing=min(0.3 / max(rows - 1, 1), 0.12))
-        # Which rank sits at (facet, y, x): every cell has one (the mesh is a full box).
-        self._grid = np.zeros((rows, ny, nx), dtype=np.int64)
-        for r in range(self.world_size):
-            f, x, y = self._cell(r)
-            self._grid[f, y, x] = r
-        # A step colorscale: value i < 10 is block colour i, value 10 is "holds none of it".
-        colors = (*BLOCK_COLORS, ABSENT_COLOR)
-        scale = [pt for i, col in enumerate(colors) for pt in ([i / len(colors), col], [(i + 1) / len(colors), col])]
-        xtick = {"tickmode": "linear", "tick0": 0, "dtick": max(1, nx // 8)}
+
+        def ticks(n_cells, per_cell):
+            step = max(1, math.ceil(n_cells / 8))
+            vals = list(range(0, n_cells, step))
+            return {"tickmode": "array", "tickvals": vals, "ticktext": [f"{v * per_cell:,}" for v in vals]}
+
         for f in range(rows):
             fig.add_trace(go.Heatmap(
-                z=np.zeros((ny, nx)), x=list(range(nx)), y=list(range(ny)), customdata=self._grid[f],
-                colorscale=scale, zmin=-0.5, zmax=len(colors) - 0.5, showscale=False, xgap=1, ygap=1,
-                hoverinfo="text", meta={"facet": f}), row=f + 1, col=1)
-            fig.update_yaxes(range=[ny - 0.5, -0.5], row=f + 1, col=1, showgrid=False, zeroline=False,
-                             title_text=names[self._y_dim] if self._y_dim is not None else "",
-                             showticklabels=self._y_dim is not None, tickmode="linear", tick0=0,
-                             dtick=max(1, ny // 4))
-            fig.update_xaxes(range=[-0.5, nx - 0.5], row=f + 1, col=1, showgrid=False, zeroline=False, **xtick,
-                             title_text=names[self._x_dim] if (self._x_dim is not None and f == rows - 1) else "")
-        cell = max(5, min(40, 480 // max(nx, 1)))
-        band = max(ny * cell, 24) + (34 if self._facet_dims else 0)
-        fig.update_layout(height=min(1400, 125 + rows * band), width=max(380, min(620, 110 + nx * cell)),
-                          margin={"l": 60, "r": 10, "t": 75 if self._facet_dims else 60, "b": 45},
-                          plot_bgcolor="white",
-                          title={"text": self._mesh_title(), "font": {"size": 12}})
+                z=np.full((nyb, nxb), np.nan), x=list(range(nxb)), y=list(range(nyb)), customdata=self._grid[f],
+                colorscale=BLOCK_COLORSCALE, zmin=0, zmax=1, showscale=f == 0, xgap=1 if nxb <= 64 else 0,
+                ygap=1 if nyb <= 32 else 0, hoverinfo="text", meta={"facet": f, "role": "mesh"},
+                colorbar={"title": {"text": "block", "side": "right"}, "thickness": 10, "len": 0.8,
+                          "tickformat": ",d"}), row=f + 1, col=1)
+            fig.update_yaxes(range=[nyb - 0.5, -0.5], row=f + 1, col=1, showgrid=False, zeroline=False,
+                             title_text=self._axis_title(self._y_dims, self._by) if self._y_dims else "",
+                             showticklabels=bool(self._y_dims), **ticks(nyb, self._by))
+            fig.update_xaxes(range=[-0.5, nxb - 0.5], row=f + 1, col=1, showgrid=False, zeroline=False,
+                             **ticks(nxb, self._bx),
+                             title_text=self._axis_title(self._x_dims, self._bx) if (self._x_dims and f == rows - 1)
+                             else "")
+        # Cells whose ranks hold none of the tensor: dotted grey, with their own legend entry.
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", fill="toself", fillcolor=ABSENT_COLOR,
+                                 fillpattern={"shape": ABSENT_PATTERN, "bgcolor": ABSENT_COLOR, "fgcolor": "#666666",
+                                              "size": 6},
+                                 line={"color": "#999999", "width": 0.5}, hoverinfo="skip", name="holds none of it",
+                                 showlegend=True, meta={"role": "absent"}), row=1, col=1)
+        cell = max(8, min(40, 480 // max(nxb, 1)))
+        band = max(nyb * cell, 40) + (34 if has_facets else 0)
+        fig.update_layout(height=min(1400, 135 + rows * band), width=max(420, min(680, 170 + nxb * cell)),
+                          margin={"l": 70, "r": 10, "t": 85 if has_facets else 70, "b": 45},
+                          plot_bgcolor="white", legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.0,
+                                                        "yanchor": "bottom", "font": {"size": 10}},
+                          title={"text": self._mesh_title(), "font": {"size": 12}, "x": 0.01, "xanchor": "left"})
         fig.update_annotations(font_size=11)
         return FigureWidget(fig)
 
     def _mesh_title(self) -> str:
-        names, shape = self.plan.mesh_dim_names, self.plan.mesh_shape
-        dims = " x ".join(f"{names[d]} {shape[d]}" for d in self._shown) or "1 rank"
-        return f"Mesh: {dims} = {self.world_size:,} ranks<br><span style='font-size:10px'>colour: the block " \
-               f"each rank holds; grey: none</span>"
+        dims = " x ".join(f"{n} {s}" for n, s, _ in self._shown_dims) or "1 rank"
+        agg = f"; each cell {self._bx * self._by:,} ranks (hover: which)" if self._bx * self._by > 1 else ""
+        return (f"Mesh: {dims} = {self.world_size:,} ranks<br><span style='font-size:10px'>colour: the block each "
+                f"rank holds (scale at right){agg}</span>")
 
     def _color_mesh(self, t: Any, per_rank: pd.DataFrame, uniq: pd.DataFrame) -> None:
         block_of: dict[tuple, int] = {}
         for b, off, ln, state in uniq[["block", "offsets", "lengths", "state"]].itertuples(index=False):
             block_of[(off, ln, state)] = b
-        z = np.full(self.world_size, float(len(BLOCK_COLORS)))  # "holds none of it" unless set below
-        text = np.empty(self.world_size, dtype=object)
-        names = self.plan.mesh_dim_names
+        n = self.world_size
+        z = np.full(n, np.nan)  # "holds none of it" unless set below
+        state_of = np.empty(n, dtype=object)
+        where_of = np.empty(n, dtype=object)
         for rank, off, ln, state in per_rank[["rank", "offsets", "lengths", "state"]].itertuples(index=False):
             rank = int(rank)
-            coords = " ".join(f"{names[d]}={self._coords[rank][d]}" for d in self._shown)
+            state_of[rank] = state
             if state == "absent":
-                stage = f" (on stage {t.stage})" if getattr(t, "stage", None) is not None else ""
-                text[rank] = f"rank {rank} · {coords}<br>does not hold it{stage}"
                 continue
             off, ln = _ints(off), _ints(ln)
             b = block_of.get((off, ln, state))
             if b is not None:
-                z[rank] = b % len(BLOCK_COLORS)
-            where = ", ".join(f"{o}:{o + n}" for o, n in zip(off or (), ln or ()))
-            text[rank] = f"rank {rank} · {coords}<br>block {b} [{where}] · {state}"
+                z[rank] = b
+            where_of[rank] = ", ".join(f"{o}:{o + m}" for o, m in zip(off or (), ln or ()))
+        names = list(self.plan.mesh_dim_names)
+        stage = getattr(t, "stage", None)
+        pp_col = names.index("pp") if "pp" in names else None
+        staged = stage is not None and pp_col is not None and self.plan.mesh_shape[pp_col] > 1
+        off_stage = (self._coords[:, pp_col] != stage) if staged else np.zeros(n, dtype=bool)
+
+        def absent_text(r: int) -> str:
+            return f"not on this stage (it lives on stage {stage})" if off_stage[r] else "holds none of it"
+        # Per cell: the first rank's block colours it; the hover gives the range its ranks hold.
+        cells = len(self._cell_count)
+        held = np.isfinite(z)
+        zz = np.where(held, z, 0)
+        lo = np.full(cells, np.inf)
+        hi = np.full(cells, -np.inf)
+        np.minimum.at(lo, self._cell_of[held], zz[held])
+        np.maximum.at(hi, self._cell_of[held], zz[held])
+        n_held = np.bincount(self._cell_of[held], minlength=cells)
+        first = self._grid.ravel()
+        cell_z = np.where(n_held > 0, z[first], np.nan)
+        cell_z = np.where(np.isnan(cell_z) & (n_held > 0), lo, cell_z)
+        single = self._bx * self._by == 1
+        text = np.empty(cells, dtype=object)
+        for c in range(cells):
+            r = int(first[c])
+            if r >= n:
+                text[c] = ""
+                continue
+            if single:
+                head = f"rank {r} · {self._rank_coords(r)}"
+                if state_of[r] == "absent" or state_of[r] is None:
+                    text[c] = f"{head}<br>{absent_text(r)}"
+                else:
+                    b = "?" if np.isnan(z[r]) else int(z[r])
+                    text[c] = f"{head}<br>block {b} [{where_of[r]}] · {state_of[r]}"
+            else:
+                head = f"{self._cell_count[c]:,} ranks from rank {r} ({self._rank_coords(r)})"
+                if n_held[c] == 0:
+                    text[c] = f"{head}<br>{absent_text(r)}"
+                else:
+                    blocks = f"block {int(lo[c])}" if lo[c] == hi[c] else f"blocks {int(lo[c])}-{int(hi[c])}"
+                    none = f"; {self._cell_count[c] - n_held[c]:,} hold none" if n_held[c] < self._cell_count[c] else ""
+                    text[c] = f"{head}<br>{blocks}{none}"
+        nf, nyb, nxb = self._grid.shape
+        cell_z = cell_z.reshape(nf, nyb, nxb)
+        text = text.reshape(nf, nyb, nxb)
+        empty = (n_held == 0).reshape(nf, nyb, nxb)
+        # Cells that hold nothing: dotted grey. A facet of another pipeline stage is "not on this stage" (one
+        # rectangle); on the tensor's own stage, a cell whose ranks got empty shards "holds none of it".
+        rects_by_name: dict[str, list[tuple[int, float, float, float, float]]] = {}
+        facet_empty = []
+        for f in range(nf):
+            facet_off = bool(off_stage[self._grid[f, 0, 0]])  # a facet is within one stage (pp is a facet)
+            facet_empty.append(facet_off)
+            if empty[f].all():
+                rects = [(-0.5, nxb - 0.5, -0.5, nyb - 0.5)]
+            else:
+                yy, xx = np.nonzero(empty[f])
+                rects = [(x - 0.5, x + 0.5, y - 0.5, y + 0.5) for y, x in zip(yy.tolist(), xx.tolist())]
+            name = "not on this stage" if facet_off else "holds none of it"
+            rects_by_name.setdefault(name, []).extend((f, *r) for r in rects)
+        absent_traces = []
+        for name, rects in rects_by_name.items():
+            for f in range(nf):
+                rx: list[float | None] = []
+                ry: list[float | None] = []
+                for ff, a, b, c, d in rects:
+                    if ff == f:
+                        rx += [a, b, b, a, a, None]
+                        ry += [c, c, d, d, c, None]
+                if rx:
+                    absent_traces.append((f, name, rx, ry))
+        cmax = max(self._n_blocks - 1, 1)
         with self.mesh_fig.batch_update():
-            for f, trace in enumerate(self.mesh_fig.data):
-                g = self._grid[f]
-                trace.z = z[g]
-                trace.text = text[g]
+            meshes = [tr for tr in self.mesh_fig.data if (tr.meta or {}).get("role") == "mesh"]
+            for f, trace in enumerate(meshes):
+                trace.z = cell_z[f]
+                trace.text = text[f]
+                trace.zmax = cmax
+            self.mesh_fig.data = tuple(meshes)
+            named: set[str] = set()
+            for f, name, rx, ry in absent_traces:
+                axis = "" if f == 0 else str(f + 1)
+                self.mesh_fig.add_trace(go.Scatter(
+                    x=rx, y=ry, xaxis=f"x{axis}", yaxis=f"y{axis}", mode="lines", fill="toself",
+                    fillcolor=ABSENT_COLOR, fillpattern={"shape": ABSENT_PATTERN, "bgcolor": ABSENT_COLOR,
+                                                         "fgcolor": "#666666", "size": 6},
+                    line={"color": "#999999", "width": 0.5}, hoverinfo="skip", name=name, legendgroup=name,
+                    showlegend=name not in named, meta={"role": "absent", "facet": f}))
+                named.add(name)
+            if self._facet_dims:
+                for f, ann in enumerate(self.mesh_fig.layout.annotations[:nf]):
+                    ann.text = self._facet_titles[f] + (" · not on this stage" if facet_empty[f] else "")
+        self._facet_empty = facet_empty
 
     def _on_mesh_click(self, trace: Any, points: Any, selector: Any) -> None:
         if points.xs:
             f = (trace.meta or {}).get("facet", 0)
-            self.select_rank(int(self._grid[f, int(points.ys[0]), int(points.xs[0])]))
+            rank = int(self._grid[f, int(points.ys[0]), int(points.xs[0])])
+            if rank < self.world_size:
+                self.select_rank(rank)
 
     # -- bytes --------------------------------------------------------------------------------------
     def _bytes_figure(self) -> FigureWidget:
@@ -697,26 +919,50 @@ class ShardingPlanView:
                 f"{self.world_size:,} ranks · {len(self._tensors):,} tensors · per-rank bytes "
                 f"{format_bytes(total.min())} to {format_bytes(total.max())}")
 
+    def _placements_text(self, t: Any) -> str:
+        """Placements over the mesh dims that split or copy data. pp is not one of them: a pipeline stage
+        holds its own layers and copies nothing, so the tensor's stage is named instead."""
+        names, shape = self.plan.mesh_dim_names, self.plan.mesh_shape
+        parts = []
+        for d, p in enumerate(t.placements):
+            if shape[d] <= 1 or names[d] == "pp":
+                continue
+            part = f"{names[d]}={p}"
+            if names[d] == "dp_shard" and self._ep > 1:
+                part += f" (dp_shard = dp_shard_mod_ep {shape[d] // self._ep} x ep {self._ep})"
+            parts.append(part)
+        text = ", ".join(parts) or "one rank"
+        if "pp" in names and shape[names.index("pp")] > 1:
+            stage = getattr(t, "stage", None)
+            pp = shape[names.index("pp")]
+            text += (f"; on stage {stage} of pp={pp} only" if stage is not None
+                     else f"; on every stage of pp={pp}")
+        return text
+
     def _tensor_html(self, t: Any, uniq: pd.DataFrame, per_rank: pd.DataFrame) -> str:
-        names = self.plan.mesh_dim_names
-        places = ", ".join(f"{names[d]}={p}" for d, p in enumerate(t.placements) if self.plan.mesh_shape[d] > 1)
         absent = int((per_rank["state"] == "absent").sum())
         stage = f" · stage {t.stage}" if getattr(t, "stage", None) is not None else ""
         rows = "".join(
             f"<tr><td>{b}</td><td>{html.escape(str(off))}</td><td>{html.escape(str(ln))}</td><td>{st}</td>"
-            f"<td>{reps}</td></tr>"
-            for b, off, ln, st, reps in uniq[["block", "offsets", "lengths", "state", "replicas"]].head(4)
+            f"<td>{reps:,}</td><td>{html.escape(_rank_ranges(list(rk)))}</td></tr>"
+            for b, off, ln, st, reps, rk in uniq[["block", "offsets", "lengths", "state", "replicas", "ranks"]].head(4)
             .itertuples(index=False))
-        more = f"<tr><td colspan=5>… {len(uniq) - 4:,} more (hover the blocks)</td></tr>" if len(uniq) > 4 else ""
+        more = f"<tr><td colspan=6>… {len(uniq) - 4:,} more (hover the blocks)</td></tr>" if len(uniq) > 4 else ""
+        names = list(self.plan.mesh_dim_names)
+        off_stage = 0
+        if getattr(t, "stage", None) is not None and "pp" in names and self.plan.mesh_shape[names.index("pp")] > 1:
+            off_stage = int((self._coords[:, names.index("pp")] != t.stage).sum())
+        where = (f"{off_stage:,} rank(s) not on this stage, {absent - off_stage:,} hold none of it" if off_stage
+                 else f"{absent:,} rank(s) hold none of it")
         return (f"<div style='font-size:12px;line-height:1.4'><b>{html.escape(t.name)}</b> [{t.kind}] {t.dtype} "
-                f"{tuple(t.global_shape)} = {format_bytes(t.nbytes)}{stage}<br>placements: {places or 'one rank'}"
-                f"<br>{len(uniq):,} distinct block(s); {absent:,} rank(s) hold none of it"
+                f"{tuple(t.global_shape)} = {format_bytes(t.nbytes)}{stage}<br>placements: "
+                f"{html.escape(self._placements_text(t))}"
+                f"<br>{len(uniq):,} distinct block(s); {where}"
                 f"<table style='font-size:11px;line-height:1.2'><tr><th>block</th><th>offsets</th><th>lengths</th>"
-                f"<th>state</th><th>ranks</th></tr>{rows}{more}</table></div>")
+                f"<th>state</th><th>replicas</th><th>ranks</th></tr>{rows}{more}</table></div>")
 
     def _rank_html(self, rank: int, t: Any, local: Any) -> str:
-        names = self.plan.mesh_dim_names
-        coords = ", ".join(f"{names[d]}={self._coords[rank][d]}" for d in range(len(names)))
+        coords = self._rank_coords(rank)
         if t is None:
             holds = ""
         elif local is None:
