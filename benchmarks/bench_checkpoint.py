@@ -25,6 +25,10 @@ counters, LR scheduler, RNG), on the local disk in a temporary directory. Ratios
 * ``load_without_verify_vs_safetensors``  the same with ``load(..., verify=False)``
 * ``load_dcp_reader_vs_safetensors``  the same through DCP's own reader (``load(..., direct=False)``: one
                               ``torch.load`` per item), what loads did before the direct read path
+* ``load_mmap_vs_safetensors``  ``load(..., mmap=True)`` (verification on): the tensors pointed at the mapped
+                              files, nothing copied, as ``load_file`` maps its file
+* ``first_step_after_mmap_vs_next_step``  the training step right after a mapped load (its writes copy the
+                              pages they touch) / the step after it: where the skipped copy is paid
 * ``int8_optimizer_bytes_vs_fp32``  bytes of the optimizer state saved with ``quant="int8"`` (Adam's moments
                               in int8 + fp32 block scales)  /  the same state in fp32 (target <= 0.27)
 * ``int8_save_time_vs_sync``  that int8 save's time (quantizing included)  /  the fp32 sync save
@@ -204,8 +208,22 @@ def one_repeat(preset: str, work: Path) -> dict[str, float]:
     touch(flat_tensors(target3.state_dict(rng=False)).values())
     r["load_dcp_reader_s"] = time.perf_counter() - t0
     assert res.read["path"] == "dcp"
-    for k, v in saved_weights.items():  # the benchmark measures a load that is right
+    target4 = make_state(preset)
+    t0 = time.perf_counter()
+    res = load(work / "sync", target4.model, target4.optimizer, scheduler=target4.scheduler, mmap=True)
+    touch(flat_tensors(target4.state_dict(rng=False)).values())
+    r["load_mmap_s"] = time.perf_counter() - t0
+    assert res.read["path"] == "mmap", res.read
+    for k, v in saved_weights.items():  # the benchmark measures loads that are right
         assert torch.equal(v, target.model.state_dict()[k]), k
+        assert torch.equal(v, target4.model.state_dict()[k]), k
+    # A mapped load copies nothing; the first step's writes copy the pages they touch (copy-on-write)
+    t0 = time.perf_counter()
+    train_step(target4, x)
+    r["first_step_after_mmap_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    train_step(target4, x)
+    r["next_step_after_mmap_s"] = time.perf_counter() - t0
     return r
 
 
@@ -260,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             "load_vs_safetensors": ratio("load_s", "safetensors_load_s"),
             "load_without_verify_vs_safetensors": ratio("load_noverify_s", "safetensors_load_s"),
             "load_dcp_reader_vs_safetensors": ratio("load_dcp_reader_s", "safetensors_load_s"),
+            "load_mmap_vs_safetensors": ratio("load_mmap_s", "safetensors_load_s"),
+            "first_step_after_mmap_vs_next_step": ratio("first_step_after_mmap_s", "next_step_after_mmap_s"),
             "int8_optimizer_bytes_vs_fp32": ratio("optim_bytes_int8", "optim_bytes_fp32"),
             "int8_save_time_vs_sync": ratio("int8_save_s", "sync_save_s"),
         },

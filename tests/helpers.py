@@ -35,3 +35,17 @@ def wait_for_server(proc, ready, what: str, log_tail=lambda: "", timeout: float 
         if time.monotonic() > deadline:
             pytest.fail(f"{what} did not answer within {timeout:.0f} s:\n{log_tail()}")
         time.sleep(0.25)
+
+
+def train_step(st, rows) -> float:
+    """One language-model step of a TrainState on ``rows`` (B, L+1) (next-token loss, AdamW, scheduler),
+    counted in ``st.step``; returns the loss."""
+    import torch.nn.functional as F
+
+    loss = F.cross_entropy(st.model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
+    loss.backward()
+    st.optimizer.step()
+    st.optimizer.zero_grad(set_to_none=True)
+    st.scheduler.step()
+    st.step += 1
+    return float(loss.detach())

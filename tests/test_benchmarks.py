@@ -143,7 +143,8 @@ def test_bench_checkpoint_quick_prints_one_json_document_of_ratios(repo):
     assert set(ratios) == {"save_throughput_vs_raw", "save_time_vs_dcp", "checksum_time_vs_dcp", "sha256_time_vs_dcp",
                            "async_blocking_vs_sync", "zero_stall_step_vs_sync", "zero_stall_step_vs_train_step",
                            "load_vs_safetensors", "load_without_verify_vs_safetensors",
-                           "load_dcp_reader_vs_safetensors", "int8_optimizer_bytes_vs_fp32", "int8_save_time_vs_sync"}
+                           "load_dcp_reader_vs_safetensors", "load_mmap_vs_safetensors",
+                           "first_step_after_mmap_vs_next_step", "int8_optimizer_bytes_vs_fp32", "int8_save_time_vs_sync"}
     for name, r in ratios.items():
         assert math.isfinite(r["median"]) and r["median"] > 0, name
         assert r["min"] <= r["median"] <= r["max"], name

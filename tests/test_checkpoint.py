@@ -93,9 +93,11 @@ def test_full_state_round_trip_continues_bitwise(tmp_path):
     assert doc["files"]["__0_0.distcp"]["bytes"] == (path / "__0_0.distcp").stat().st_size
     keys = set(read_metadata(path).state_dict_metadata)
     for key in ("model.layers.0.attention.wq.weight", "optim.state.layers.1.feed_forward.w2.weight.exp_avg",
-                "optim.param_groups.output.weight.lr", "ema.norm.weight", "sched.last_epoch",
+                "ema.norm.weight", "sched.last_epoch",
                 "rng.rank0.python", "rng.rank0.numpy", "rng.rank0.torch", "extra.step", "extra.consumed_samples"):
         assert key in keys, key
+    # the hyperparameters: one packed item (JSON), not one tensor per parameter and value
+    assert sum(k.startswith("optim.hyper.") for k in keys) == 1 and not any("param_groups" in k for k in keys)
 
 
 def test_model_only_load_and_refusal_naming_the_key(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from test_checkpoint_tools import write_checkpoint  # tests/: checkpoints written per the key contract
@@ -85,6 +87,7 @@ def test_diff_panel_names_the_changed_tensor(browser, run, tmp_path):
 def test_load_into_layout_panel(browser):
     plan = browser.run_plan(dp_shard=2, tp=2)
     assert plan.loadable and plan.world_size == 4 and "loadable" in browser.plan_html.value
+    assert re.search(r"keys checked, \d+\.\d\d MiB to read", browser.plan_html.value)  # binary units
     plan = browser.run_plan(dp_shard=1, tp=3)
     assert not plan.loadable and "tp=3 does not divide n_heads=8" in browser.plan_html.value
     assert not browser.run_plan(tp=1, dp_shard=1, pp=8).loadable
@@ -121,3 +124,78 @@ def test_fp8_tensor_statistics_and_histogram(tmp_path):
     assert stats["max"] == float(x[x.isfinite()].max())
     (bars,) = browser.histogram.data
     assert len(bars.x) == 20 and sum(bars.y) == x.numel() - 1
+
+
+# --------------------------------------------------------------------------------------------------
+# a checkpoint of the workbench saver: hyper-parameters as tensors, two param groups, two steps
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    from test_checkpoint_listing import save_small_run
+    from workbench.widgets import CheckpointBrowser
+
+    steps = save_small_run(tmp_path_factory.mktemp("small"))
+    return steps, CheckpointBrowser(steps[0])
+
+
+def test_param_groups_are_one_entry_each(small):
+    _, b = small
+    values = [v for _, v in b.listing.options]
+    labels = dict((v, label) for label, v in b.listing.options)
+    assert not [v for v in values if ".param_groups." in v and not v.startswith(("param_group:", "group:"))]
+    groups = [v for v in values if v.startswith("param_group:")]
+    assert groups == ["param_group:optim.param_groups.0", "param_group:optim.param_groups.1"]
+    assert labels["group:optim.param_groups"].endswith("(2)")
+    decay = next(labels[v] for v in groups if "weight_decay=0.1" in labels[v])
+    assert "lr=0.005, betas=(0.9, 0.95)" in decay and decay.endswith("(2 params)")
+    n = b.manifest.summary()["n_tensors"]
+    assert f"{n} of {n} tensors, 2 param groups (50 hyper-parameters)" in b.count.value
+    assert f"{n} tensors + 50 optimizer hyper-parameters in 2 param groups" in b.header.value
+    b.listing.value = groups[0]  # what a click does
+    assert "optimizer param group" in b.info.value and "<td>betas</td>" in b.info.value
+    assert b.selected is None and not b.shard_figure.data
+    b.filter.value = "norm.bias"  # the group that holds norm.bias stays listed, the other goes
+    assert [v for _, v in b.listing.options if v.startswith("param_group:")] == [
+        "param_group:" + next(g.name for g in b.param_groups if "norm.bias" in g.params)]
+    b.filter.value = ""
+    with pytest.raises(KeyError, match="not a param group"):
+        b.select_param_group("optim.param_groups.7")
+
+
+def test_histogram_log_scale_checkbox(small):
+    _, b = small
+    b.select("model.spread")
+    b.load_stats(bins=11)
+    (bars,) = b.histogram.data
+    assert bars.y[0] == 10 and b.histogram.layout.xaxis.title.text == "x"
+    b.stats_log.value = True  # what ticking the box does: the same tensor again, same bins, log10 |x|
+    (bars,) = b.histogram.data
+    assert list(bars.y) == [1] * 11 and b.histogram.layout.xaxis.title.text == "log10 |x|"
+    assert "1 zeros left out" in b.histogram.layout.title.text
+    stats = b.load_stats(log=False)
+    assert not b.stats_log.value and stats["zeros"] == 1 and b.histogram.data[0].y[0] == 10
+
+
+def test_diff_panel_kind_filter_and_changes_per_kind(small):
+    steps, b = small
+    d = b.run_diff(str(steps[1]), kinds="model")
+    assert d.kinds == ["model"] and b.diff_kind.value == "model" and "(kinds: model)" in b.diff_html.value
+    assert [t.name for t in b.diff_figure.data] == ["model"]
+    b.diff_kind.value = "all"
+    b.diff_path.value = str(steps[1])
+    b.diff_button.click()
+    names = [t.name for t in b.diff_figure.data]
+    assert b.diff_result.kinds is None and "model" in names and "optimizer exp_avg_sq" in names
+    assert "optimizer hyper-parameters changed" in b.diff_html.value
+    b.diff_kind.value = "optimizer"
+    b.diff_button.click()
+    assert set(b.diff_result.values["kind"]) == {"optimizer"} and "model" not in [t.name for t in b.diff_figure.data]
+
+
+def test_key_tree_takes_the_width_it_is_given(small):
+    _, b = small
+    assert b.listing.layout.width == "100%"
+    tree, tabs = b.children[1].children
+    assert b.listing in tree.children and tree.layout.flex.startswith("1 1") and tabs.layout.flex.startswith("1 1")
+    assert b.children[1].layout.width == "100%"

@@ -69,7 +69,7 @@ def test_direct_read_is_bitwise_the_dcp_read_and_calls_no_torch_load(saved, monk
             assert res.read["path"] == "direct" and res.read["dcp"] == 0 and calls == [], res.read
             assert res.read["bytes"] == sum(t.numel() * t.element_size() for t in got[True].values())
         else:
-            assert res.read["path"] == "dcp" and len(calls) == res.read["dcp"] > 100
+            assert res.read["path"] == "dcp" and len(calls) == res.read["dcp"] > 60  # one per tensor and Adam state; the hyperparameters are one item
     want = _flat(ref)
     for key, value in want.items():
         if key.startswith("extra."):

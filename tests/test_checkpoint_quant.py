@@ -16,8 +16,8 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from helpers import train_step
 from workbench.checkpoint import TrainState, load, read_manifest, save
 from workbench.checkpoint.load import checkpoint_shapes
 from workbench.checkpoint.quant import dequantize, describe, quantize
@@ -40,14 +40,7 @@ def _state(seed: int = 0) -> TrainState:
 
 
 def _step(st: TrainState) -> float:
-    rows = torch.stack([DATA[st.step * 8 + j] for j in range(8)])
-    loss = F.cross_entropy(st.model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
-    loss.backward()
-    st.optimizer.step()
-    st.optimizer.zero_grad(set_to_none=True)
-    st.scheduler.step()
-    st.step += 1
-    return float(loss)
+    return train_step(st, torch.stack([DATA[st.step * 8 + j] for j in range(8)]))
 
 
 def test_block_quantization_error_is_within_its_bound():

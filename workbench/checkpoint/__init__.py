@@ -49,4 +49,5 @@ from workbench.checkpoint.verify import VerifyReport, verify
 from workbench.checkpoint.diff import CheckpointDiff, diff
 from workbench.checkpoint.formats import ExportResult, export, iter_tensors, load_into, read_tensor
 from workbench.checkpoint.stats import tensor_stats
+from workbench.checkpoint.param_groups import ParamGroup, param_groups
 from workbench.checkpoint.plan_load import LoadPlan, plan_load

@@ -2,8 +2,9 @@
 
     workbench ckpt inspect runs/r1                      what is in the latest checkpoint
     workbench ckpt verify runs/r1/checkpoints/step-000020   checksums, sizes, chunk tiling (exit 1 if bad)
-    workbench ckpt diff A B --top 5                     added/removed/reshaped keys, largest value changes
-    workbench ckpt convert SRC DST --to hf --include optimizer --max-shard-size 2GB
+    workbench ckpt diff A B --top 5 --kind model        added/removed/reshaped keys, largest changes per tensor kind
+    workbench ckpt stats runs/r1 KEY --bins 30 --log    one tensor's statistics and histogram (of log10|x|)
+    workbench ckpt convert SRC DST --to hf --include optimizer --max-shard-size 2GiB
     workbench ckpt plan-load SRC --dp-shard 2 --tp 2    will it load into that layout? (exit 1 if not)
 
 Every command takes ``--json`` (one JSON document on stdout). A bad file prints one line,
@@ -41,6 +42,8 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
             return error(str(msg), args.json, EXIT_USAGE)
         except KeyboardInterrupt:
             return error("interrupted", args.json, 130)
+        except BrokenPipeError:  # `workbench ckpt inspect RUN | head`: workbench.cli.main ends quietly, exit 0
+            raise
         except (Exception, CheckpointException) as e:  # a bug or an unforeseen file: one line, traceback on request
             if os.environ.get("WORKBENCH_DEBUG"):
                 raise
@@ -60,8 +63,10 @@ def _progress(args: argparse.Namespace) -> bool:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from workbench.checkpoint.contents import inspect
+    from workbench.checkpoint.param_groups import listing, matches, param_groups
 
     m = inspect(args.path)
+    groups = param_groups(m)  # the hyper-parameter entries, one group each (their values: a few bytes, one read)
     frame = m.frame
     if args.kind:
         frame = frame[frame["kind"] == args.kind]
@@ -74,29 +79,44 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if not args.shards:
             for r in doc["tensors"]:
                 r["n_shards"] = len(r.pop("shards"))
+        doc["summary"]["n_param_groups"] = len(groups)
+        # values, whatever the storage (n_hyperparameters counts stored entries: one per value before the
+        # packing, one JSON item per distinct set after it)
+        doc["summary"]["n_hyperparameter_values"] = sum(g.n_values for g in groups)
+        doc["param_groups"] = [g.to_dict() for g in groups if any(k in keep for k in g.keys)]
         emit_json({"status": "ok", **doc})
         return 0
+    rows = listing(m, groups)
+    if args.kind:
+        rows = rows[rows["kind"] == args.kind]
+    if args.filter:
+        rows = rows[[matches(r, args.filter) for r in rows.to_dict("records")]]
     s = m.summary()
+    hyper = (f" + {sum(g.n_values for g in groups)} optimizer hyper-parameters in {len(groups)} param group"
+             f"{'s' if len(groups) != 1 else ''}") if s["n_hyperparameters"] else ""
     print(f"{s['path']}  ({s['format']})")
     print(f"step {s['step']}  layout {s['layout_description'] or '-'}  ranks {s['world_size'] or '-'}  "
-          f"{s['n_tensors']} tensors  {format_bytes(s['total_bytes'])}  files {s['n_files']}")
+          f"{s['n_tensors']} tensors{hyper}  {format_bytes(s['total_bytes'])}  files {s['n_files']}")
     print("  " + "  ".join(f"{k} {format_bytes(b)}" for k, b in s["bytes_by_kind"].items()))
     if s.get("quant"):
         from workbench.checkpoint.quant import describe
 
         print("  " + describe(s["quant"]))
     print()
-    rows = frame if args.all else frame.head(args.limit)
-    width = max([len(k) for k in rows["key"]] + [3])
-    dw = max([len(d) for d in rows["dtype"]] + [9])  # float8_e8m0fnu is 14 wide
-    print(f"{'key':<{width}}  {'kind':<9} {'dtype':<{dw}} {'shape':<16} {'bytes':>10}  shards")
-    for r in rows.itertuples(index=False):
+    shown = rows if args.all else rows.head(args.limit)
+    width = max([len(k) for k in shown["key"]] + [3])
+    dw = max([len(d) for d, g in zip(shown["dtype"], shown["group"]) if g is None] + [9])  # float8_e8m0fnu: 14
+    print(f"{'key':<{width}}  {'kind':<9} {'dtype':<{dw}} {'shape':<16} {'size':>10}  shards")
+    for r in shown.itertuples(index=False):
+        if r.group is not None:  # one row per optimizer param group
+            print(f"{r.key:<{width}}  {r.kind:<9} {r.group.label()}  [{len(r.group.keys)} entries]")
+            continue
         shape = "-" if r.shape is None else "x".join(map(str, r.shape)) or "()"
         ranks = sorted({s["rank"] for s in r.shards if s.get("rank") is not None})
         where = f"{len(r.shards)} (ranks {','.join(map(str, ranks))})" if ranks else str(len(r.shards))
-        print(f"{r.key:<{width}}  {r.kind:<9} {r.dtype:<{dw}} {shape:<16} {r.bytes:>10}  {where}")
-    if len(rows) < len(frame):
-        print(f"... {len(frame) - len(rows)} more (--all, --filter, --kind)")
+        print(f"{r.key:<{width}}  {r.kind:<9} {r.dtype:<{dw}} {shape:<16} {format_bytes(r.bytes):>10}  {where}")
+    if len(shown) < len(rows):
+        print(f"... {len(rows) - len(shown)} more (--all, --filter, --kind)")
     return 0
 
 
@@ -128,9 +148,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         emit_json({"status": "ok", **d.to_dict(top=args.top)})
         return 0
     print(f"{d.a} -> {d.b}")
-    n_diff = int((~d.values["equal"]).sum()) if len(d.values) else 0
-    print(f"{len(d.added)} added, {len(d.removed)} removed, {len(d.changed)} changed shape/dtype"
-          + (f", {n_diff} of {len(d.values)} values differ" if d.compared_values else ""))
+    print(d.summary_line())
     for k in d.added[:args.top]:
         print(f"  + {k}")
     for k in d.removed[:args.top]:
@@ -139,10 +157,43 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print(f"  ~ {r.key}: {r.a_dtype}{list(r.a_shape) if r.a_shape is not None else ''} -> "
               f"{r.b_dtype}{list(r.b_shape) if r.b_shape is not None else ''}")
     top = d.top(args.top)
-    if len(top) and n_diff:
-        print("\nlargest value changes (relative norm of the difference):")
-        for r in top.itertuples(index=False):
-            print(f"  {r.rel_norm:10.3e}  max|d| {r.max_abs:10.3e}  {r.key}")
+    if len(top):
+        counts = {r.tensor_kind: r for r in d.by_tensor_kind().itertuples(index=False)}
+        print(f"\nlargest value changes, up to {args.top} per tensor kind (||b - a|| / ||a||, max |b - a|):")
+        for tk, rows in top.groupby("tensor_kind", sort=False):
+            c = counts[tk]
+            print(f"  {tk}: {c.changed} of {c.compared} changed")
+            for r in rows.itertuples(index=False):
+                print(f"    {r.rel_norm:10.3e}  max|d| {r.max_abs:10.3e}  {r.key}")
+    hyper = d.hyperparameter_changes()
+    if len(hyper):
+        from workbench.checkpoint.param_groups import format_value
+
+        print("\noptimizer hyper-parameters changed:")
+        for r in hyper.itertuples(index=False):
+            print(f"  {r.name}: {format_value(r.a)} -> {format_value(r.b)} ({r.params} params)")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from workbench.checkpoint.stats import tensor_stats
+
+    stats = tensor_stats(args.path, args.key, bins=args.bins, log=args.log)
+    if args.json:
+        emit_json({"status": "ok", **stats})
+        return 0
+    hist = stats.pop("histogram", None)
+    print(f"{stats['key']}  {stats['dtype']}  {stats['numel']:,} values")
+    print("  " + "  ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}"
+                           for k, v in stats.items() if k not in ("key", "dtype", "numel")))
+    if hist and hist["counts"]:
+        what = "log10 |x|" if hist["scale"] != "linear" else "x"
+        left_out = f", {hist['excluded']} zero(s) left out" if hist["excluded"] else ""
+        print(f"\nhistogram of {what} ({len(hist['counts'])} bins{left_out}):")
+        top = max(hist["counts"]) or 1
+        half = hist["width"] / 2
+        for c, n in zip(hist["centers"], hist["counts"]):
+            print(f"  {c - half:>11.4g} .. {c + half:<11.4g} {'#' * round(40 * n / top):<40} {n}")
     return 0
 
 
@@ -215,6 +266,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--kind", help=f"comma-separated kinds to compare, of {','.join(CHECKPOINT_KINDS)} (default: all)")
     c.add_argument("--no-values", action="store_true", help="metadata only: read no tensors")
 
+    c = add("stats", cmd_stats, "statistics and a histogram of one tensor (only it is read)")
+    c.add_argument("path", help="any checkpoint path inspect accepts")
+    c.add_argument("key", help="the tensor's key, as inspect lists it")
+    c.add_argument("--bins", type=int, default=20, help="histogram bins (0: none; default 20)")
+    c.add_argument("--log", action="store_true",
+                   help="histogram of log10 |x| (zeros left out): for values spanning decades, like exp_avg_sq")
+
     c = add("convert", cmd_convert, "convert a checkpoint (streaming, one tensor at a time)")
     c.add_argument("src")
     c.add_argument("dst")
@@ -222,7 +280,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="hf: sharded safetensors + index.json; safetensors: one file; torch: torch.save; dcp")
     c.add_argument("--include", default="",
                    help=f"besides the model: comma-separated {','.join(k for k in CHECKPOINT_KINDS if k != 'model')}")
-    c.add_argument("--max-shard-size", default="2GB", help="hf shards up to this size (default 2GB)")
+    c.add_argument("--max-shard-size", default="2GiB",
+                   help="hf shards up to this size (default 2GiB; 2GB means 2*10^9 bytes, as Hugging Face counts)")
     c.add_argument("--names", choices=["workbench", "hf-llama"], default="workbench",
                    help="weight names: this model's FQNs, or Hugging Face Llama names (q/k permuted for RoPE)")
     c.add_argument("--force", action="store_true", help="replace DST if it exists")

@@ -35,6 +35,7 @@ __all__ = ["ReadStats", "StoredTensor", "parse_item", "read_items"]
 _LOCAL = b"PK\x03\x04"
 _SMALL = 1 << 16  # items up to this size are read whole in one call
 _HEAD = 4096  # bytes read to find a larger item's data record (data.pkl and the small records before it)
+ALIGN = 64  # items start at multiples of this in files workbench writes (saver._HashingStream)
 
 
 @dataclass
@@ -162,7 +163,16 @@ def _central(tail: memoryview, item_length: int) -> dict[str, tuple[int, int, in
     there (its local headers are followed by data descriptors)."""
     base = item_length - len(tail)  # item offset of tail[0]
     eocd = len(tail) - 22
-    if eocd < 0 or bytes(tail[eocd:eocd + 4]) != b"PK\x05\x06":
+    if eocd >= 0 and bytes(tail[eocd:eocd + 4]) != b"PK\x05\x06":
+        # items written by workbench since 2026-11 end in up to ALIGN - 1 zero bytes of padding (the next
+        # item then starts aligned, so a mapped load's tensors are aligned): the end record comes just before
+        window = max(0, len(tail) - 22 - (ALIGN - 1))
+        found = bytes(tail[window:]).rfind(b"PK\x05\x06")
+        eocd = window + found if found >= 0 else -1
+        if eocd < 0 or eocd + 22 > len(tail) or struct.unpack_from("<H", tail, eocd + 20)[0] != 0 \
+                or any(tail[eocd + 22:]):
+            raise _Unsupported("no zip end record at the item's end")
+    if eocd < 0:
         raise _Unsupported("no zip end record at the item's end")
     _, _, _, _, count, cd_size, cd_offset, _ = struct.unpack_from("<4sHHHHIIH", tail, eocd)
     if cd_offset == 0xFFFFFFFF or count == 0xFFFF:  # zip64: the locator before, then the zip64 end record

@@ -39,6 +39,7 @@ from workbench.checkpoint.contents import inspect
 from workbench.checkpoint.manifest import CheckpointManifest
 from workbench.checkpoint.safeload import SAFETENSORS_DTYPES, CheckpointFormatError, read_torch_file
 from workbench.kinds import KEY_PREFIXES, checkpoint_kind
+from workbench.units import format_bytes
 
 __all__ = ["TensorSource", "open_source", "read_tensor", "iter_tensors", "export", "ExportResult",
            "load_into", "parse_size", "model_config_of", "FORMATS"]
@@ -49,12 +50,13 @@ _ST_CODE = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def parse_size(size: int | str) -> int:
-    """``2GB`` -> 2_000_000_000 (decimal, like Hugging Face), ``512MiB`` -> 536_870_912, ints as bytes."""
+    """``2GiB`` -> 2_147_483_648, ``512MiB`` -> 536_870_912, ints as bytes; ``2GB`` -> 2_000_000_000 (decimal,
+    as Hugging Face writes sizes). Every size the tools print is binary (KiB, MiB, GiB: workbench.units)."""
     if isinstance(size, int):
         return size
     m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(size), re.I)
     if not m:
-        raise ValueError(f"max shard size {size!r} is not a size; write e.g. 2GB, 500MB or 1048576")
+        raise ValueError(f"max shard size {size!r} is not a size; write e.g. 2GiB, 500MiB or 1048576")
     base = 1024 if m.group(3) else 1000
     return int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
 
@@ -360,7 +362,7 @@ class ExportResult:
                 "bytes": self.bytes, "bytes_by_kind": self.by_kind}
 
     def _repr_html_(self) -> str:
-        return (f"<b>exported</b> {self.tensors} tensors ({self.bytes:,} bytes) to <code>{self.dst}</code> as "
+        return (f"<b>exported</b> {self.tensors} tensors ({format_bytes(self.bytes)}) to <code>{self.dst}</code> as "
                 f"{self.to}: {', '.join(self.files[:6])}{' ...' if len(self.files) > 6 else ''}")
 
 
@@ -389,7 +391,7 @@ def _hf_config(cfg, dtype: str = "float32") -> dict[str, Any]:
 
 
 def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] = ("model",),
-           max_shard_size: int | str = "2GB", names: str = "workbench", overwrite: bool = False,
+           max_shard_size: int | str = "2GiB", names: str = "workbench", overwrite: bool = False,
            progress: bool = True, keep_quant: bool = False) -> ExportResult:
     """Convert ``src`` (any checkpoint) to ``to``, streaming tensor by tensor.
 

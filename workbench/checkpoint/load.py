@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from workbench.checkpoint import quant
 from workbench.checkpoint.safeload import SafeFileSystemReader, read_dcp_metadata
-from workbench.checkpoint.state import TrainState
+from workbench.checkpoint.state import TrainState, is_packed_hyper, local_optimizer
 from workbench.checkpoint.store import MANIFEST, BackgroundVerify, read_manifest, resolve_checkpoint
 
 __all__ = ["load", "LoadResult", "read_metadata", "checkpoint_shapes", "check_model_fits", "check_resume"]
@@ -137,7 +137,7 @@ def _resolve_everywhere(path: str | Path, group, verify: bool) -> Path:
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          scheduler=None, ema=None, rng: bool = False, process_group=None, verify: bool = True,
-         direct: bool = True) -> LoadResult:
+         direct: bool = True, mmap: bool = False) -> LoadResult:
     """Load a checkpoint into ``model`` as it is laid out now (any layout); with ``optimizer``, the full state.
 
     ``path``: a ``step-NNNNNN`` directory, a ``checkpoints/`` directory or a run directory (its newest
@@ -148,17 +148,20 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     before the optimizer, scheduler and RNG take the values; a run or checkpoints directory then falls back
     to its newest intact step and loads that. ``direct``: read tensor bytes straight into place
     (:mod:`workbench.checkpoint.directread`; DCP still plans which saved chunks each tensor needs);
-    False: DCP's reader, one ``torch.load`` per item. Returns a :class:`LoadResult`, whose ``read`` says
-    which path the bytes took.
+    False: DCP's reader, one ``torch.load`` per item. ``mmap``: in one process, point the model's and
+    optimizer's tensors at the memory-mapped files instead of copying (:mod:`workbench.checkpoint.mmapload`:
+    zero-copy, copy-on-write; ``read["path"]`` is then ``"mmap"``; where it cannot apply, the direct path
+    runs). Returns a :class:`LoadResult`, whose ``read`` says which path the bytes took.
     """
     group = _group(process_group)
     ckpt = _resolve_everywhere(path, group, verify=False)  # sizes now; checksums overlap the read below
     rank = dist.get_rank(group) if group is not None else 0
     checker = BackgroundVerify(ckpt) if verify and rank == 0 and (ckpt / MANIFEST).exists() else None
     state = TrainState(model, optimizer, scheduler, ema, rank=rank)
-    targets = state.load_targets(optimizer=optimizer is not None, rng=rng)
     metadata = read_metadata(ckpt)
     shapes = checkpoint_shapes(ckpt, metadata)
+    packed = {k[len("optim."):]: shape for k, (shape, _) in shapes.items() if is_packed_hyper(k)}
+    targets = state.load_targets(optimizer=optimizer is not None, rng=rng, hyper=packed or None)
     check_model_fits(ckpt, targets["model"], shapes=shapes)
     quantized = quant.load_targets(targets, shapes)  # moments saved as int8/fp8 + scales: read those
     skipped: list[str] = []
@@ -174,6 +177,36 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
                          "(load with optimizer=None for weights only)")
     for kind in [k for k, v in targets.items() if isinstance(v, dict) and not _has_leaf(v)]:
         del targets[kind]
+    mapped = None
+    if mmap and (group is None or dist.get_world_size(group) == 1) and not quantized:
+        from workbench.checkpoint.mmapload import mapped_tensors
+
+        mapped = mapped_tensors(ckpt, metadata, targets)
+    if mapped is not None:
+        from workbench.checkpoint.mmapload import point_at
+
+        tensors, mstats = mapped
+        mstats_dict = {**mstats.to_dict(), "path": "mmap"}
+        damaged: list[Any] = [checker.result() if checker is not None else None]
+        if damaged[0] is not None:  # nothing was repointed yet: the files are refused before any value is used
+            intact = _resolve_everywhere(path, group, verify=True)
+            return load(intact, model, optimizer, scheduler=scheduler, ema=ema, rng=rng,
+                        process_group=process_group, verify=False, direct=direct, mmap=mmap)
+        opt = local_optimizer(optimizer) if optimizer is not None else None
+        copied = point_at(targets, tensors, state.view, opt)
+        targets.setdefault("extra", {})
+        optim = targets.pop("optim", None)
+        if optim is not None:  # the state tensors are the optimizer's own now; the hyperparameters remain
+            from workbench.checkpoint.mmapload import apply_hyper
+            from workbench.checkpoint.state import HYPER_PREFIX, unpack_hyper
+
+            hyper = unpack_hyper([t for k, t in optim.items() if k.startswith(HYPER_PREFIX)])
+            if copied or not apply_hyper(opt, targets["model"], state.view, hyper):
+                targets["optim"] = optim  # the long way: torch's set_optimizer_state_dict
+        state.apply_loaded(targets, model_in_place=True)
+        if optim is not None:
+            targets["optim"] = optim
+        return _result(ckpt, state, targets, skipped, ema, mstats_dict)
     reader = SafeFileSystemReader(ckpt)
     reader._cached = metadata  # read once above; DCP asks for it again
     reader.direct = direct
@@ -198,14 +231,18 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     quant.dequantize_loaded(targets, quantized)
     targets.setdefault("extra", {})
     state.apply_loaded(targets)
+    stats = getattr(reader, "stats", None)
+    return _result(ckpt, state, targets, skipped, ema, stats.to_dict() if stats else {})
+
+
+def _result(ckpt: Path, state: TrainState, targets: dict, skipped: list[str], ema, read: dict) -> LoadResult:
     if ema is not None and any(k.startswith("ema.") for k in skipped):
         ema.reset()  # no EMA in the checkpoint: start it from the loaded weights
     manifest = read_manifest(ckpt) if (ckpt / MANIFEST).exists() else {}
     step = state.step if "extra" in targets and "step" in targets["extra"] else int(manifest.get("step", 0))
     consumed = state.consumed_samples if "consumed_samples" in targets.get("extra", {}) else \
         int(manifest.get("consumed_samples", 0))
-    stats = getattr(reader, "stats", None)
-    return LoadResult(ckpt, step, consumed, sorted(targets), skipped, manifest, stats.to_dict() if stats else {})
+    return LoadResult(ckpt, step, consumed, sorted(targets), skipped, manifest, read)
 
 
 def _one_line(ckpt: Path, e: BaseException) -> ValueError:
@@ -230,15 +267,18 @@ def _has_leaf(d: dict) -> bool:
     return any(_has_leaf(v) if isinstance(v, dict) else True for v in d.values())
 
 
-def check_resume(resume: str, ckpt_root: str | Path, model_cfg) -> Path:
+def check_resume(resume: str, ckpt_root: str | Path, model_cfg, model_state: dict | None = None) -> Path:
     """Before any process starts: the checkpoint ``resume`` names exists, is complete, and fits ``model_cfg``.
 
-    Builds the model on the meta device (no memory) to compare every ``model.*`` key's shape.
+    Builds the model on the meta device (no memory) to compare every ``model.*`` key's shape;
+    ``model_state``: the expected state dict instead (on meta), for a job that trains another module
+    around the model (the embedding trainer).
     """
     from workbench.models import build_model
 
     # Sizes only: rank 0 verifies every checksum when it loads (and falls back past a damaged latest).
     ckpt = resolve_checkpoint(ckpt_root if resume == "latest" else resume, verify_checksums=False)
-    meta = build_model(model_cfg, seed=None, device="meta")
-    check_model_fits(ckpt, meta.state_dict())
+    if model_state is None:
+        model_state = build_model(model_cfg, seed=None, device="meta").state_dict()
+    check_model_fits(ckpt, model_state)
     return ckpt

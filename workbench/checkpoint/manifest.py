@@ -20,6 +20,11 @@ Kinds follow the workbench key contract (first dotted component), with heuristic
     sched.*, extra.*, anything else non-tensor -> extra
     other tensors: "optim"/"exp_avg"/"momentum" -> optimizer, "rng"/"generator" -> rng,
                    "master" -> master, else model
+
+Optimizer hyper-parameters (``optim.param_groups.<fqn>.lr`` ...: torch's flattened optimizer state repeats
+each group's ``lr, betas, eps, ...`` under every parameter) are entries of kind ``optimizer`` too, but they
+are not counted as tensors: :func:`is_hyperparameter` names them, ``summary()`` counts them apart, and
+:mod:`workbench.checkpoint.param_groups` folds them into one row per param group for listings.
 """
 
 from __future__ import annotations
@@ -37,13 +42,20 @@ from workbench.display import RendersInNotebook
 from workbench.kinds import CHECKPOINT_KINDS, PREFIX_KIND
 from workbench.units import format_bytes
 
-__all__ = ["CheckpointManifest", "KINDS", "classify"]
+__all__ = ["CheckpointManifest", "KINDS", "classify", "is_hyperparameter"]
 
 KINDS = CHECKPOINT_KINDS  # see workbench.kinds
 _OPTIM_WORDS = re.compile(r"(^|[._])(optim|optimizer|exp_avg|exp_avg_sq|momentum_buffer|param_groups)([._]|$)")
 _RNG_WORDS = re.compile(r"(^|[._])(rng|rng_state|generator|random)([._]|$)")
 _MASTER_WORDS = re.compile(r"(^|[._])(master|master_weights|fp32_params)([._]|$)")
 _SCHED_WORDS = re.compile(r"(^|[._])(lr_scheduler|scheduler|sched)([._]|$)")
+_HYPER = re.compile(r"(^|\.)param_groups(\.|$)")
+
+
+def is_hyperparameter(key: str) -> bool:
+    """Whether ``key`` is an optimizer hyper-parameter (anything under a ``param_groups`` component), or a
+    packed set of them (``optim.hyper.<digest>``: JSON bytes, see :mod:`workbench.checkpoint.state`)."""
+    return bool(_HYPER.search(key)) or key.startswith("optim.hyper.")
 
 
 def classify(key: str, is_tensor: bool = True) -> str:
@@ -125,8 +137,15 @@ class CheckpointManifest(RendersInNotebook):
         return self.frame.iloc[i].to_dict()
 
     def tensors(self) -> pd.DataFrame:
-        """The rows that are tensors (DCP also stores plain values: learning rates, step counters)."""
+        """The rows that are tensors (DCP also stores plain values: learning rates, step counters).
+
+        Hyper-parameters saved as 0-d tensors are rows here (they are read, exported and loaded like any
+        tensor); :meth:`hyperparameters` names them, and ``summary()`` does not count them as tensors."""
         return self.frame[self.frame["shape"].map(lambda s: s is not None)]
+
+    def hyperparameters(self) -> pd.DataFrame:
+        """The optimizer hyper-parameter rows (``...param_groups...``), tensors or pickled values."""
+        return self.frame[self.frame["key"].map(is_hyperparameter)]
 
     # ---- views -----------------------------------------------------------------------------------
     def to_frame(self) -> pd.DataFrame:
@@ -148,6 +167,7 @@ class CheckpointManifest(RendersInNotebook):
     def summary(self) -> dict[str, Any]:
         """Bytes by kind, counts, step and layout: the facts a person asks first."""
         t = self.tensors()
+        hyper = self.frame["key"].map(is_hyperparameter).astype(bool)
         by_kind = {k: int(t.loc[t["kind"] == k, "bytes"].sum()) for k in KINDS if (t["kind"] == k).any()}
         layout = self.layout
         describe = None
@@ -161,7 +181,10 @@ class CheckpointManifest(RendersInNotebook):
         return {
             "path": str(self.path), "format": self.format, "step": self.step, "world_size": self.world_size,
             "layout": layout, "layout_description": describe,
-            "n_tensors": int(len(t)), "n_entries": int(len(self.frame)), "total_bytes": int(t["bytes"].sum()),
+            # tensors proper (weights, moments, RNG states...): a hyper-parameter saved as a 0-d tensor is
+            # counted under n_hyperparameters, not here
+            "n_tensors": int(len(t) - hyper[t.index].sum()), "n_hyperparameters": int(hyper.sum()),
+            "n_entries": int(len(self.frame)), "total_bytes": int(t["bytes"].sum()),
             "bytes_by_kind": by_kind, "n_params_model": int(sum(_numel(s) for s in t.loc[t["kind"] == "model", "shape"])),
             "dtypes": sorted(set(t["dtype"])), "n_files": len(self.files),
             "quant": self.quant,
@@ -189,7 +212,9 @@ class CheckpointManifest(RendersInNotebook):
         kinds = "".join(f"<tr><td>{k}</td><td style='text-align:right'>{format_bytes(b)}</td></tr>"
                         for k, b in s["bytes_by_kind"].items())
         head = (f"<b>CheckpointManifest</b> <code>{html.escape(s['path'])}</code> ({s['format']})<br>"
-                f"step {s['step']} &middot; {s['n_tensors']} tensors &middot; {format_bytes(s['total_bytes'])}"
+                f"step {s['step']} &middot; {s['n_tensors']} tensors"
+                + (f" + {s['n_hyperparameters']} optimizer hyper-parameters" if s["n_hyperparameters"] else "")
+                + f" &middot; {format_bytes(s['total_bytes'])}"
                 + (f" &middot; layout {html.escape(s['layout_description'])}" if s["layout_description"] else "")
                 + (f" &middot; {s['world_size']} ranks" if s["world_size"] else ""))
         if s["quant"]:
@@ -206,7 +231,8 @@ class CheckpointManifest(RendersInNotebook):
     def __repr__(self) -> str:
         s = self.summary()
         return (f"CheckpointManifest({str(self.path)!r}, format={self.format!r}, step={s['step']}, "
-                f"tensors={s['n_tensors']}, bytes={format_bytes(s['total_bytes'])}, by_kind="
+                f"tensors={s['n_tensors']}, hyperparameters={s['n_hyperparameters']}, "
+                f"bytes={format_bytes(s['total_bytes'])}, by_kind="
                 + "{" + ", ".join(f"{k}: {format_bytes(b)}" for k, b in s["bytes_by_kind"].items()) + "})")
 
 

@@ -29,6 +29,7 @@ from workbench.checkpoint.contents import inspect
 from workbench.checkpoint.manifest import CheckpointManifest
 from workbench.config import ModelConfig, ParallelConfig, resolve_model, validate
 from workbench.settings import parse_layout, split_settings
+from workbench.units import format_bytes
 
 __all__ = ["plan_load", "LoadPlan", "parse_layout"]
 
@@ -85,7 +86,7 @@ class LoadPlan:
         return (f"<div><b style='color:{colour}'>{verdict}</b>: <code>{html.escape(self.src)}</code> "
                 f"({html.escape(self.source_layout or '?')}) &rarr; {html.escape(self.model)} on "
                 f"<b>{html.escape(self.target_description)}</b> ({self.world_size} ranks)<br>"
-                f"<small>{self.checked} keys checked, {self.bytes_to_read:,} bytes to read</small>"
+                f"<small>{self.checked} keys checked, {format_bytes(self.bytes_to_read)} to read</small>"
                 + (f"<ul>{items}</ul>" if items else "") + (f"<ul>{notes}</ul>" if notes else "") + extra + "</div>")
 
     def __repr__(self) -> str:

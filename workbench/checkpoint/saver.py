@@ -44,6 +44,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemWriter  
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
+from workbench.checkpoint.directread import ALIGN
 from workbench.checkpoint.quant import check_mode as check_quant
 from workbench.checkpoint.quant import plan as quant_plan
 from workbench.checkpoint.quant import quantize_state
@@ -248,7 +249,16 @@ class _HashingStream(io.RawIOBase):
         return n
 
     def tell(self) -> int:
-        return self.raw.tell()
+        """The position, first padded with zeros to a multiple of ``ALIGN`` (64) bytes. DCP asks for it
+        exactly before and after writing each item (its offset, then its length), so every item starts
+        aligned in the file, and a mapped load's tensors are aligned (the data record inside torch.save's
+        archive is itself 64-byte aligned). The padding ends the previous item: readers find the archive's
+        end record before it (torch.load, :mod:`workbench.checkpoint.directread`)."""
+        pos = self.raw.tell()
+        if self.sequential and pos == self.n and pos % ALIGN:
+            self.write(bytes(ALIGN - pos % ALIGN))
+            pos = self.raw.tell()
+        return pos
 
     def seek(self, offset: int, whence: int = 0) -> int:
         pos = self.raw.seek(offset, whence)

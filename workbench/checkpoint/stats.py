@@ -10,6 +10,13 @@ as a tiny one. Statistics are over the finite values; ``non_finite`` counts the 
 Any dtype works, FP8 included (``float8_e4m3fn``, ``float8_e5m2``, ``float8_e8m0fnu``): most torch ops and
 ``.numpy()`` have no float8 kernels, so values are upcast to fp32 first (exact for every 8- and 16-bit
 float) and summed in float64.
+
+``log=True`` draws the histogram over ``log10 |x|`` of the finite non-zero values (zeros have no logarithm;
+they are counted in ``zeros``): an Adam second moment spans ten decades, and on a linear axis all of it
+lands in the first bin::
+
+    >>> tensor_stats("runs/r1", "optim.state.output.weight.exp_avg_sq", bins=40, log=True)["histogram"]
+    {"centers": [...], "counts": [...], "width": ..., "scale": "log10|x|", "excluded": 0}
 """
 
 from __future__ import annotations
@@ -37,12 +44,14 @@ def _canonical_key(source: TensorSource, key: str) -> str:
 
 
 def tensor_stats(src: "str | os.PathLike | CheckpointManifest | TensorSource", key: str,
-                 bins: int = 0) -> dict[str, Any]:
+                 bins: int = 0, log: bool = False) -> dict[str, Any]:
     """``key, numel, dtype, min, max, mean, std, abs_mean, norm, zeros, non_finite`` of one tensor.
 
-    With ``bins > 0`` also ``histogram``: ``{"centers", "counts", "width"}`` over ``[min, max]`` of the
-    finite values (empty lists when there are none). ``src`` is anything :func:`inspect` accepts, or an
-    open source (reuse one to read many tensors without re-reading the metadata).
+    With ``bins > 0`` also ``histogram``: ``{"centers", "counts", "width", "scale", "excluded"}`` over
+    ``[min, max]`` of the finite values (``scale`` "linear"), or with ``log=True`` over ``log10 |x|`` of the
+    finite non-zero values (``scale`` "log10|x|"; ``excluded`` counts the zeros left out). Empty lists when
+    there is nothing to count. ``src`` is anything :func:`inspect` accepts, or an open source (reuse one to
+    read many tensors without re-reading the metadata).
     """
     source = open_source(src)
     t = source.get(_canonical_key(source, key)).detach()
@@ -60,13 +69,22 @@ def tensor_stats(src: "str | os.PathLike | CheckpointManifest | TensorSource", k
         "zeros": int((x == 0).sum()), "non_finite": int(t.numel() - n),
     }
     if bins > 0:
-        if n:
-            lo, hi = stats["min"], stats["max"]
-            hi = hi if hi > lo else lo + 1
-            counts = torch.histc(finite, bins=bins, min=lo, max=hi)
-            width = (hi - lo) / bins
-            stats["histogram"] = {"centers": [lo + (i + 0.5) * width for i in range(bins)],
-                                  "counts": [int(c) for c in counts.tolist()], "width": width}
-        else:
-            stats["histogram"] = {"centers": [], "counts": [], "width": 0.0}
+        stats["histogram"] = _histogram(finite, bins, log)
     return stats
+
+
+def _histogram(finite: torch.Tensor, bins: int, log: bool) -> dict[str, Any]:
+    values, excluded = finite, 0
+    if log:
+        nonzero = finite[finite != 0]
+        excluded = finite.numel() - nonzero.numel()
+        values = nonzero.abs().log10()
+    scale = "log10|x|" if log else "linear"
+    if not values.numel():
+        return {"centers": [], "counts": [], "width": 0.0, "scale": scale, "excluded": excluded}
+    lo, hi = float(values.min()), float(values.max())
+    hi = hi if hi > lo else lo + 1
+    counts = torch.histc(values, bins=bins, min=lo, max=hi)
+    width = (hi - lo) / bins
+    return {"centers": [lo + (i + 0.5) * width for i in range(bins)], "counts": [int(c) for c in counts.tolist()],
+            "width": width, "scale": scale, "excluded": excluded}
