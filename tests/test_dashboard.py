@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -113,8 +114,14 @@ def test_live_run_fills_progress_and_one_trace_per_rank(dashboards):
     assert "succeeded" in dash.status.value
     assert dash.error_panel.layout.display == "none"
     assert not dash.launch_button.disabled and dash.stop_button.disabled
-    for fig in (dash.loss_fig, dash.tps_fig, dash.memory_fig):
-        assert _trace_points(fig) == {"tiny dp_shard=2 r0": steps, "tiny dp_shard=2 r1": steps}
+    label = f"#0 tiny dp_shard=2 ({run.run_dir.name})"
+    for fig in (dash.loss_fig, dash.memory_fig):
+        assert _trace_points(fig) == {f"{label} r0": steps, f"{label} r1": steps}
+    # tokens/s is the whole job's: one line per run, and its axis says so; memory is per rank
+    assert _trace_points(dash.tps_fig) == {label: steps}
+    assert dash.tps_fig.layout.yaxis.title.text == "tokens/s (global)"
+    assert "per rank" in dash.memory_fig.layout.yaxis.title.text
+    assert dash.loss_fig.layout.legend.y > 1  # above the plot, clear of the x-axis title
     r0 = next(t for t in dash.loss_fig.data if t.name.endswith("r0"))
     assert list(r0.x) == list(range(steps))
     assert list(r0.y) == pytest.approx(run.losses(rank=0))
@@ -175,7 +182,9 @@ def test_runs_overlay_until_cleared(dashboards):
     second = dash.launch()
     dash.wait(60)
     assert dash.runs == [first, second] and dash.run is second
-    assert [t.name for t in dash.loss_fig.data] == ["tiny single process r0"] * 2
+    names = [t.name for t in dash.loss_fig.data]
+    assert names == [f"#0 tiny single process ({first.run_dir.name}) r0",
+                     f"#1 tiny single process ({second.run_dir.name}) r0"]  # two runs, told apart
     assert [len(t.x) for t in dash.loss_fig.data] == [2, 2]
     assert first.losses() != second.losses()  # a different seed: a different curve, kept side by side
 
@@ -232,8 +241,9 @@ def test_memory_panel_draws_each_ranks_memory_per_step(dashboards, tmp_path, mon
     dash = dashboards(preset="tiny", nproc=2, dp_shard=2, steps=2)
     assert dash.launch() is run and dash.wait(30) is run
     traces = {t.name: t for t in dash.memory_fig.data}
-    assert set(traces) == {"tiny dp_shard=2 r0", "tiny dp_shard=2 r1"}
-    r0, r1 = traces["tiny dp_shard=2 r0"], traces["tiny dp_shard=2 r1"]
+    label = "#0 tiny dp_shard=2 (replayed)"
+    assert set(traces) == {f"{label} r0", f"{label} r1"}
+    r0, r1 = traces[f"{label} r0"], traces[f"{label} r1"]
     assert (list(r0.x), list(r0.y), list(r0.text)) == ([0, 1], [40.0, 44.0], ["memory", "memory"])
     assert (list(r1.y), list(r1.text)) == ([950.0, 50.0], ["mem_bytes", "peak_mem_bytes"])
     assert r0.line.dash != r1.line.dash and r0.line.color == r1.line.color  # one run, one colour
@@ -248,3 +258,33 @@ def test_core_never_imports_the_widget_layer():
             "or m.startswith('workbench.widgets')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_embedding_task_draws_retrieval_accuracy(dashboards):
+    """The embedding preset: the same launch and event stream, plus held-out retrieval against chance."""
+    dash = dashboards(task="embedding", preset="tiny", nproc=2, dp_shard=2, steps=6, global_batch=8,
+                      eval_every=3, chunk=2)
+    assert dash.controls["task"].value == "embedding" and dash.controls["global_batch"].value == 8
+    assert dash.embedding.chunk == 2 and dash.settings["task"].name == "embedding"
+    assert dash.settings["lr"] == 1e-3  # the preset's defaults
+    assert dash.accuracy_box.layout.display == "none"
+    run = dash.launch()
+    assert dash.wait(90) is run and run.status == "succeeded", dash.status.value
+    assert (run.run_dir / "embedding.json").exists() and (run.run_dir / "task.json").exists()
+    assert dash.accuracy_box.layout.display == ""
+    evals = [e for e in run.events_since(0) if e["type"] == "eval" and e["rank"] == 0]
+    acc = next(t for t in dash.accuracy_fig.data if t.name != "chance")
+    assert list(acc.x) == [0, 3, 6] == [e["step"] for e in evals]
+    assert list(acc.y) == [e["retrieval_accuracy"] for e in evals]
+    chance = next(t for t in dash.accuracy_fig.data if t.name == "chance")
+    assert list(chance.y) == [1 / 200, 1 / 200]
+    label = f"#0 tiny dp_shard=2 ({run.run_dir.name})"
+    assert _trace_points(dash.loss_fig) == {f"{label} r0": 6, f"{label} r1": 6}
+    assert "top-1" in dash.status.value
+    # a bad embedding setting is one line in the error panel, and nothing launches
+    dash.embedding = dataclasses.replace(dash.embedding, matryoshka="512")
+    assert dash.launch() is None and "exceed the embedding size" in dash.error_panel.value
+    dash.controls["task"].value = "lm"  # the language-model task ignores the embedding settings
+    assert "task" not in dash.settings

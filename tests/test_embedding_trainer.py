@@ -90,3 +90,17 @@ def test_cli_trains_and_reports_json(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["status"] == "succeeded" and out["steps"] == 2
     assert [e["step"] for e in out["evals"]] == [2] and 0 <= out["evals"][0]["retrieval_accuracy"] <= 1
+
+
+def test_ddp_with_a_learned_head_trains_as_one_process(tmp_path):
+    """dp_replicate=2 (DDP over the backbone; the projection and learned temperature averaged by hand) with
+    Matryoshka sizes and GradCache chunks logs the losses of one process with the whole batch."""
+    kw = dict(FAST, global_batch=8, steps=3, eval_every=0, projection=64, learn_temperature=True,
+              matryoshka="64,32")
+    one = train_embedding(MODEL, out=tmp_path / "one", **kw)
+    ddp = train_embedding(MODEL, out=tmp_path / "ddp", dp_replicate=2, chunk=2, timeout_s=240, **kw)
+    ref = one.metrics["loss"].tolist()
+    m = ddp.metrics
+    assert m[m["rank"] == 0]["loss"].tolist() == pytest.approx(ref, rel=1e-5)
+    assert m[m["rank"] == 0]["temperature"].tolist() == pytest.approx(one.metrics["temperature"].tolist(), rel=1e-5)
+    assert one.metrics["temperature"].iloc[-1] != 0.05  # learned: it moved

@@ -17,10 +17,18 @@ events' own ``mem_bytes``; its title says which.
 A pipeline run (pp > 1) also gets a timeline of its latest complete step, drawn from the ranks'
 ``schedule`` events with the measured bubble next to the theory; a mixture-of-experts run gets its
 tokens per expert. Both show the latest run only.
+
+The task control picks what the ranks train: a language model (``workbench.launch``), or a contrastive
+sentence encoder (``task="embedding"``: the same launch with an :class:`~workbench.embedding.EmbeddingConfig`,
+``embedding=`` sets it; :func:`~workbench.embedding.embedding_task`). An embedding run adds a plot of held-out top-1 retrieval accuracy against chance,
+from its ``eval`` events::
+
+    RunDashboard(task="embedding", nproc=2, dp_shard=2, steps=60, global_batch=32, lr=1e-3)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import tempfile
 import threading
@@ -36,8 +44,9 @@ from workbench.config import PRESETS, JobConfig, ParallelConfig, TrainConfig
 from workbench.settings import split_settings
 from workbench.train.launcher import Run, build_job, launch, memory_shortfall
 from workbench.widgets.controls import read_controls, setting_controls
-from workbench.widgets.plots import (RANK_DASHES, RUN_COLORS, plot_pipeline_timeline, plot_tokens_per_expert,
-                                     run_label)
+from workbench.parallel.pipeline_bubble import pipeline_steps
+from workbench.widgets.plots import (RANK_DASHES, RUN_COLORS, export_pipeline_trace, plot_pipeline_timeline,
+                                     plot_tokens_per_expert, run_label)
 
 # The training settings the dashboard shows controls for (every ParallelConfig setting gets one).
 TRAIN_CONTROLS = ("data", "steps", "global_batch", "seed", "device")
@@ -66,6 +75,12 @@ def _preset_options() -> list[tuple[str, str]]:
             + [(f"{n} ({_human(PRESETS[n].n_params)}, plan only)", n) for n in planning])
 
 
+TASKS = {"lm": "language model", "embedding": "embedding (contrastive)"}
+# What an embedding run starts from when the dashboard is given no training settings of its own: the
+# settings under which the tiny preset's held-out retrieval rises within a minute on 2 CPU cores.
+EMBEDDING_DEFAULTS = {"global_batch": 32, "lr": 1e-3, "warmup_steps": 20}
+
+
 @dataclass
 class _RunView:
     """What the dashboard draws for one run: the Run's history as last drawn, and the plot traces.
@@ -83,9 +98,11 @@ class _RunView:
     loss_traces: dict[int, Any] = field(default_factory=dict)
     tps_traces: dict[int, Any] = field(default_factory=dict)
     mem_traces: dict[int, Any] = field(default_factory=dict)
+    eval_events: list[dict] = field(default_factory=list)  # embedding runs: rank 0's `eval` events
+    eval_trace: Any = None
     pipeline_events: list[dict] = field(default_factory=list)  # `pipeline` + `schedule`, for the timeline
     moe_events: list[dict] = field(default_factory=list)  # `moe` + `step` (its aux_loss)
-    timeline_step: int | None = None  # the step the timeline shows
+    timeline_step: Any = None  # (picked, step shown, steps complete) as last drawn
     moe_step: int | None = None
     launched_at: float = field(default_factory=time.time)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -112,10 +129,23 @@ class RunDashboard:
         train: TrainConfig | None = None,
         out_root: str | Path | None = None,
         poll_s: float = 0.2,
+        task: str = "lm",
+        embedding: Any = None,
         **settings: Any,
     ):
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        if task not in TASKS:
+            raise ValueError(f"task={task!r} is unknown; choose one of {', '.join(TASKS)}")
+        from workbench.embedding.config import EmbeddingConfig
+
+        if isinstance(embedding, dict):
+            embedding = EmbeddingConfig.from_dict(embedding)
+        emb_names = set(EmbeddingConfig.__dataclass_fields__)
+        emb_given = {k: settings.pop(k) for k in list(settings) if k in emb_names}
+        self.embedding = dataclasses.replace(embedding or EmbeddingConfig(), **emb_given)
+        if task == "embedding" and train is None:
+            settings = {**EMBEDDING_DEFAULTS, **settings}
         given = split_settings(settings, ("parallel", "train"), what="dashboard setting")
         layout = {**(parallel.to_dict() if parallel is not None else {}), **given["parallel"]}
         training = {**(train.to_dict() if train is not None else {}), **given["train"]}
@@ -134,6 +164,8 @@ class RunDashboard:
         self.layout_controls = setting_controls("parallel", layout)
         self.train_controls = setting_controls("train", training, only=TRAIN_CONTROLS)
         self.controls: dict[str, widgets.ValueWidget] = {
+            "task": widgets.Dropdown(options=[(v, k) for k, v in TASKS.items()], value=task, description="task",
+                                     style=style, layout=widgets.Layout(width="240px")),
             "preset": widgets.Dropdown(options=_preset_options(), value=preset, description="model",
                                        style=style, layout=widgets.Layout(width="260px")),
             "nproc": widgets.BoundedIntText(nproc, min=1, max=1024, description="nproc", style=style,
@@ -155,34 +187,69 @@ class RunDashboard:
         self.status = widgets.HTML("idle")
         self.error_panel = widgets.HTML("", layout=widgets.Layout(display="none", width="100%"))
         self.loss_fig = self._figure("Loss per step", "loss")
-        self.tps_fig = self._figure("Throughput per step", "tokens/s")
-        self.memory_fig = self._figure("Memory per step", "MiB")
+        self.tps_fig = self._figure("Throughput per step (whole job)", "tokens/s (global)")
+        self.memory_fig = self._figure("Memory per step", "MiB per rank")
+        self.accuracy_fig = self._figure("Held-out top-1 retrieval", "accuracy")
+        self.accuracy_fig.layout.yaxis.range = [0, 1]
+        self.accuracy_box = widgets.VBox([self.accuracy_fig], layout=widgets.Layout(display="none"))
         # Shown only for the runs that write their events: pipeline (pp > 1) and mixture-of-experts runs.
         self.bubble_label = widgets.HTML("")
         self.timeline_fig = go.FigureWidget(layout={"height": 260, "width": 1040, "title": "Pipeline timeline"})
-        self.timeline_box = widgets.VBox([self.bubble_label, self.timeline_fig],
+        self.trace_button = widgets.Button(description="Export trace", icon="download",
+                                           tooltip="write the pipeline schedule as a Chrome/Perfetto trace "
+                                                   "(pipeline_trace.json in the run directory)")
+        self.trace_button.on_click(lambda _: self._export_trace_clicked())
+        self.trace_status = widgets.HTML("")
+        # Which step the timeline shows: "latest" follows the run; "median" is the typical step.
+        self.timeline_step = widgets.Dropdown(options=[("latest", "latest"), ("median over steps", "median")],
+                                              value="latest", description="step",
+                                              layout=widgets.Layout(width="220px"))
+        self.timeline_step.observe(lambda _: self._show_timeline(), names="value")
+        self.timeline_box = widgets.VBox([self.bubble_label, self.timeline_fig,
+                                          widgets.HBox([self.timeline_step, self.trace_button, self.trace_status])],
                                          layout=widgets.Layout(display="none"))
         self.experts_fig = go.FigureWidget(layout={"height": 340, "width": 520, "title": "Tokens per expert"})
         self.experts_box = widgets.VBox([self.experts_fig], layout=widgets.Layout(display="none"))
 
         wrap = widgets.Layout(flex_flow="row wrap")
         self.widget = widgets.VBox([
-            widgets.HBox([c["preset"], *self.train_controls.values()], layout=wrap),
+            widgets.HBox([c["task"], c["preset"], *self.train_controls.values()], layout=wrap),
             widgets.HBox([c["nproc"], *self.layout_controls.values()], layout=wrap),
             widgets.HBox([self.launch_button, self.stop_button, self.clear_button, self.progress, self.status]),
             self.error_panel,
-            widgets.HBox([self.loss_fig, self.tps_fig, self.memory_fig], layout=widgets.Layout(flex_flow="row wrap")),
+            widgets.HBox([self.loss_fig, self.tps_fig, self.memory_fig, self.accuracy_box],
+                         layout=widgets.Layout(flex_flow="row wrap")),
             self.timeline_box,
             self.experts_box,
         ])
+
+    def export_trace(self, path: str | Path | None = None, step: int | None = None) -> Path:
+        """Write the latest run's pipeline schedule as Chrome/Perfetto Trace Event Format JSON (open it in
+        ui.perfetto.dev or chrome://tracing): every complete step, or only ``step``. ``path`` defaults to
+        ``pipeline_trace.json`` in the run directory. ValueError if there is no run or no schedule."""
+        if self.run is None:
+            raise ValueError("no run yet; launch one with pp > 1 to get a pipeline schedule")
+        path = Path(path) if path is not None else self.run.run_dir / "pipeline_trace.json"
+        return export_pipeline_trace(self.run, path, step=step)
+
+    def _export_trace_clicked(self) -> None:
+        try:
+            path = self.export_trace()
+        except ValueError as err:
+            self.trace_status.value = f"<span style='color:#b00'>{html.escape(str(err))}</span>"
+            return
+        self.trace_status.value = f"wrote <code>{html.escape(str(path))}</code> (open in ui.perfetto.dev)"
 
     # -- what the view shows ----------------------------------------------------------------------
     @staticmethod
     def _figure(title: str, ytitle: str) -> go.FigureWidget:
         return go.FigureWidget(layout={
             "title": title, "xaxis": {"title": "step"}, "yaxis": {"title": ytitle},
-            "height": 380, "width": 520, "margin": {"l": 60, "r": 10, "t": 50, "b": 40},
-            "legend": {"orientation": "h", "yanchor": "top", "y": -0.18, "font": {"size": 10}},
+            # The legend sits above the plot, where a growing list of runs pushes the plot down instead
+            # of running over the x-axis title.
+            "height": 380, "width": 520, "margin": {"l": 60, "r": 10, "t": 50, "b": 40, "autoexpand": True},
+            "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "left", "x": 0,
+                       "font": {"size": 10}},
         })
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
@@ -192,7 +259,7 @@ class RunDashboard:
 
     def __repr__(self) -> str:
         state = self.run.status if self.run is not None else "idle"
-        return f"RunDashboard(preset={self.controls['preset'].value!r}, runs={len(self.runs)}, status={state})"
+        return f"RunDashboard(task={self.controls['task'].value!r}, preset={self.controls['preset'].value!r}, runs={len(self.runs)}, status={state})"
 
     @property
     def run(self) -> Run | None:
@@ -201,10 +268,16 @@ class RunDashboard:
 
     @property
     def settings(self) -> dict[str, Any]:
-        """The control values, as keyword arguments of :func:`workbench.launch` (``model`` first)."""
-        return {"model": self.controls["preset"].value, "nproc": self.controls["nproc"].value,
-                **read_controls(self.layout_controls, "parallel"),
-                **self._fixed_train, **read_controls(self.train_controls, "train")}
+        """The control values, as keyword arguments of :func:`workbench.launch` (``model`` first; an
+        embedding task adds ``embedding``)."""
+        out = {"model": self.controls["preset"].value, "nproc": self.controls["nproc"].value,
+               **read_controls(self.layout_controls, "parallel"),
+               **self._fixed_train, **read_controls(self.train_controls, "train")}
+        if self.controls["task"].value == "embedding":
+            from workbench.embedding import embedding_task
+
+            out["task"] = embedding_task(self.embedding)
+        return out
 
     # -- actions ----------------------------------------------------------------------------------
     def launch(self, *, fail_at: dict[str, int] | None = None) -> Run | None:
@@ -218,7 +291,9 @@ class RunDashboard:
         settings = self.settings
         model = settings.pop("model")
         try:
-            job = build_job(model, **settings)  # includes the core's memory check
+            task = settings.get("task")
+            build = task.build if task is not None else build_job  # includes the core's memory check
+            job = build(model, **{k: v for k, v in settings.items() if k != "task"})
         except ValueError as exc:
             self._show_error("Invalid configuration", str(exc))
             self.status.value = "not launched"
@@ -230,13 +305,14 @@ class RunDashboard:
         run = launch(model, out=out, fail_at=fail_at, **settings)
 
         index = len(self._views)
-        view = _RunView(run=run, label=run_label(run), color=RUN_COLORS[index % len(RUN_COLORS)],
+        # The index and the run directory tell apart runs of one model and layout ("tiny pp=2" twice).
+        view = _RunView(run=run, label=f"#{index} {run_label(run)} ({run.run_dir.name})", color=RUN_COLORS[index % len(RUN_COLORS)],
                         steps=job.train.steps)
         with self._lock:
             # Earlier runs become wide, faint bands, so a new curve that lands on one stays visible.
             for earlier in self._views:
                 for trace in (*earlier.loss_traces.values(), *earlier.tps_traces.values(),
-                              *earlier.mem_traces.values()):
+                              *earlier.mem_traces.values(), *([earlier.eval_trace] if earlier.eval_trace is not None else [])):
                     trace.line.width, trace.opacity = 6, 0.35
             self.runs.append(run)
             self._views.append(view)
@@ -249,6 +325,8 @@ class RunDashboard:
             self.timeline_fig.data = ()
             self.experts_box.layout.display = "none"
             self.experts_fig.data = ()
+            if settings.get("task") is not None:
+                self.accuracy_box.layout.display = ""
         view.thread = threading.Thread(target=self._follow, args=(view,), daemon=True,
                                        name=f"RunDashboard-{index}")
         view.thread.start()
@@ -304,6 +382,10 @@ class RunDashboard:
                     v.loss_traces.clear()
                     v.tps_traces.clear()
                     v.mem_traces.clear()
+                    v.eval_trace = None
+            kept_evals = [v.eval_trace for v in keep if v.eval_trace is not None]
+            self.accuracy_fig.data = [t for t in self.accuracy_fig.data
+                                      if any(t is k for k in kept_evals) or (kept_evals and t.name == "chance")]
             for fig, attr in ((self.loss_fig, "loss_traces"), (self.tps_fig, "tps_traces"),
                               (self.memory_fig, "mem_traces")):
                 kept = [t for v in keep for t in getattr(v, attr).values()]
@@ -346,6 +428,9 @@ class RunDashboard:
                 elif kind == "moe" or (kind == "step" and "aux_loss" in e):
                     view.moe_events.append(e)
                     new_kinds.add("moe")
+                elif kind == "eval" and rank == 0:
+                    view.eval_events.append(e)
+                    new_kinds.add("eval")
             if touched:
                 view.history = view.run.history()
                 self._redraw(view, touched)
@@ -355,20 +440,24 @@ class RunDashboard:
                 self._redraw_timeline(view)
             if view is self._views[-1] and "moe" in new_kinds:
                 self._redraw_experts(view)
+            if "eval" in new_kinds:
+                self._redraw_accuracy(view)
             if view is self._views[-1]:
                 self._show_progress(view)
             if done:
                 self._finish(view)
 
     def _redraw(self, view: _RunView, ranks: set[int]) -> None:
-        for fig, key, traces in ((self.loss_fig, "loss", view.loss_traces),
-                                 (self.tps_fig, "tokens_per_s", view.tps_traces)):
+        # tokens/s in a step event is the whole job's (every rank reports the same number): one line per run.
+        for fig, key, traces, drawn in ((self.loss_fig, "loss", view.loss_traces, ranks),
+                                        (self.tps_fig, "tokens_per_s", view.tps_traces, ranks & {0})):
             with fig.batch_update():
-                for rank in sorted(ranks):
+                for rank in sorted(drawn):
                     h = view.history[rank]
                     if rank not in traces:
                         fig.add_scatter(
-                            mode="lines+markers", name=f"{view.label} r{rank}", legendgroup=view.label,
+                            mode="lines+markers", legendgroup=view.label,
+                            name=view.label if fig is self.tps_fig else f"{view.label} r{rank}",
                             line={"color": view.color, "dash": RANK_DASHES[rank % len(RANK_DASHES)]},
                             marker={"size": 4},
                         )
@@ -400,28 +489,56 @@ class RunDashboard:
                 source = "memory" if "memory" in sources else memory["source"].iloc[-1]
                 self.memory_fig.layout.title.text = MEMORY_TITLES[source]
 
+    def _redraw_accuracy(self, view: _RunView) -> None:
+        """An embedding run's held-out top-1 retrieval by step, and chance (1 / candidates) as a dotted line."""
+        steps = [e["step"] for e in view.eval_events]
+        accs = [e["retrieval_accuracy"] for e in view.eval_events]
+        with self.accuracy_fig.batch_update():
+            if view.eval_trace is None:
+                self.accuracy_fig.add_scatter(mode="lines+markers", name=f"{view.label}", legendgroup=view.label,
+                                              line={"color": view.color}, marker={"size": 6})
+                view.eval_trace = self.accuracy_fig.data[-1]
+                chance = view.eval_events[0]["chance"]
+                if not any(t.name == "chance" for t in self.accuracy_fig.data):
+                    self.accuracy_fig.add_scatter(x=[0, view.steps], y=[chance, chance], mode="lines", name="chance",
+                                                  line={"color": "#888", "dash": "dot"})
+            view.eval_trace.x, view.eval_trace.y = tuple(steps), tuple(accs)
+
     def _redraw_timeline(self, view: _RunView) -> None:
         """Show the latest step every pipeline rank has reported (step 0, warm-up, only until step 1)."""
         if not any(e["type"] == "schedule" for e in view.pipeline_events):
             return
         try:
-            fig = plot_pipeline_timeline(view.pipeline_events)
+            steps = pipeline_steps(view.pipeline_events)
+            picked = self.timeline_step.value
+            fig = plot_pipeline_timeline(view.pipeline_events, None if picked == "latest" else picked)
         except ValueError:  # no step complete on every rank yet
             return
+        options = [("latest", "latest"), ("median over steps", "median"), *[(f"step {s}", s) for s in steps]]
+        if list(self.timeline_step.options) != options:
+            self.timeline_step.options = options  # keeps the value, which is still among them
         meta = fig.layout.meta
-        if meta["step"] == view.timeline_step:
+        shown = (picked, meta["step"], len(steps))
+        if shown == view.timeline_step:
             return
-        view.timeline_step = meta["step"]
+        view.timeline_step = shown
         self.timeline_fig.data = ()
         self.timeline_fig.add_traces(list(fig.data))
         self.timeline_fig.layout.update(fig.layout.to_plotly_json(), overwrite=True)
         self.timeline_fig.layout.width = 1040
         p, m, v = meta["pp"], meta["microbatches"], meta["stages_per_rank"]
         vm = f"{v}·{m}" if v > 1 else f"{m}"
+        where = "median over steps" if meta["step"] == "median" else f"at step {meta['step']}"
         self.bubble_label.value = (
-            f"<b>bubble</b> at step {meta['step']}: measured <b>{meta['bubble_measured']:.1%}</b> "
+            f"<b>bubble</b> {where}: measured <b>{meta['bubble_measured']:.1%}</b> "
             f"vs theory (p−1)/({'v·' if v > 1 else ''}m+p−1) = {p - 1}/({vm}+{p - 1}) = "
             f"<b>{meta['bubble_theory']:.1%}</b> (p={p}, m={m}{f', v={v}' if v > 1 else ''})")
+
+    def _show_timeline(self) -> None:
+        """Redraw the latest run's timeline for the picked step (the step dropdown's callback)."""
+        if self._views:
+            with self._lock:
+                self._redraw_timeline(self._views[-1])
 
     def _redraw_experts(self, view: _RunView) -> None:
         steps = [e["step"] for e in view.moe_events if e["type"] == "moe"]
@@ -445,6 +562,9 @@ class RunDashboard:
             return f"starting {view.run.nproc} rank(s): {html.escape(view.label)}"
         last = h.iloc[-1]
         text = f"step {int(last['step']) + 1}/{view.steps} · loss {last['loss']:.4f} · {last['tokens_per_s']:,.0f} tokens/s"
+        if view.eval_events:
+            e = view.eval_events[-1]
+            text += f" · top-1 {e['retrieval_accuracy']:.3f} at step {e['step']} (chance {e['chance']:.3f})"
         cause = view.run.root_cause()
         if cause is not None and cause.rank is not None:
             text += f" · rank {cause.rank} raised {html.escape(cause.message)}"

@@ -3,6 +3,7 @@
 * ``plot_losses(run_1proc, run_fsdp, run_tp)``: same model, seed and global batch trace the same curve.
 * ``plot_pipeline_timeline(run)``: one pipeline step, stage x time, a bar per measured forward (F) and
   backward (B), coloured by microbatch; the title compares the measured bubble with (p-1)/(m+p-1).
+* ``pipeline_trace(run)`` / ``export_pipeline_trace(run, path)``: that schedule as a Chrome/Perfetto trace.
 * ``plot_tokens_per_expert(run)``: how a mixture-of-experts router spread the tokens, per layer.
 
 Each takes a :class:`Run` or a list of events (``read_events(run_dir)``, or made by hand).
@@ -10,13 +11,15 @@ Each takes a :class:`Run` or a list of events (``read_events(run_dir)``, or made
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Iterable
 
 import plotly.colors
 import plotly.graph_objects as go
 
-from workbench.parallel.pipeline_bubble import (bubble_fraction, pipeline_step, schedule_frame, schedule_shape,
-                                                theoretical_bubble)
+from workbench.parallel.pipeline_bubble import (COLUMNS, bubble_fraction, pipeline_step, pipeline_steps, schedule_frame,
+                                                schedule_shape, theoretical_bubble)
 from workbench.train.events import read_events
 from workbench.train.launcher import Run
 
@@ -62,7 +65,25 @@ PHASE_STYLE = {  # forward solid, backward hatched and lighter: the colour still
 }
 
 
-def plot_pipeline_timeline(run_or_events: Run | Iterable[dict[str, Any]], step: int | None = None) -> go.Figure:
+def _median_step(events: list[dict[str, Any]]) -> tuple[Any, float]:
+    """The median schedule over the complete steps (step 0, warm-up, left out if others exist): per action,
+    the median start and end relative to its step's first action. Returns the frame and its bubble."""
+    steps = pipeline_steps(events)
+    steady = [s for s in steps if s != 0] or steps
+    frame = schedule_frame([e for e in events if e.get("type") == "schedule"])
+    frame = frame[frame["step"].isin(steady)]
+    t0 = frame.groupby("step")["start"].transform("min")
+    frame = frame.assign(start=frame["start"] - t0, end=frame["end"] - t0)
+    keys = ["rank", "stage", "microbatch", "phase"]
+    frame = frame.groupby(keys, as_index=False)[["start", "end"]].median()
+    frame.insert(1, "step", -1)
+    span = frame["end"].max() - frame["start"].min()
+    busy = (frame["end"] - frame["start"]).groupby(frame["rank"]).sum()
+    return frame[list(COLUMNS)], float((1.0 - busy / span).mean())
+
+
+def plot_pipeline_timeline(run_or_events: Run | Iterable[dict[str, Any]],
+                           step: int | str | None = None) -> go.Figure:
     """One pipeline step as a Gantt chart: a row per stage (and its rank), time in ms from the step start.
 
     Each measured action is one horizontal bar, F solid and B hatched, coloured by microbatch; hovering
@@ -70,14 +91,19 @@ def plot_pipeline_timeline(run_or_events: Run | Iterable[dict[str, Any]], step: 
     title gives the step's measured bubble (``bubble_fraction``) against the theory for equal stages,
     (p-1)/(v m+p-1). ``fig.layout.meta`` holds those numbers (``step``, ``bubble_measured``,
     ``bubble_theory``, ``pp``, ``microbatches``, ``stages_per_rank``, ``schedule``).
+    ``step="median"``: each action's median start and end (from its step's start) over the steady steps,
+    which a single noisy step can't show.
     """
     events = _events(run_or_events)
-    step = pipeline_step(events, step)
-    in_step = [e for e in events if e.get("type") == "schedule" and e["step"] == step]
-    frame = schedule_frame(in_step)
+    if step == "median":
+        frame, measured = _median_step(events)
+    else:
+        step = pipeline_step(events, step)
+        in_step = [e for e in events if e.get("type") == "schedule" and e["step"] == step]
+        frame = schedule_frame(in_step)
+        measured = bubble_fraction(in_step, skip_first=False)
     pp, m, v = schedule_shape(frame)
     schedule = next((e["schedule"] for e in events if e.get("type") == "pipeline"), None)
-    measured = bubble_fraction(in_step, skip_first=False)
     theory = theoretical_bubble(pp, m, v)
 
     t0 = frame["start"].min()  # ranks share one clock on one host; across hosts, clock skew shows here
@@ -102,9 +128,10 @@ def plot_pipeline_timeline(run_or_events: Run | Iterable[dict[str, Any]], step: 
             **PHASE_STYLE[phase],
         )
     what = f"{schedule}, " if schedule else ""
+    which = "median over steps" if step == "median" else f"step {step}"
     shape, vm = (f"p={pp}, m={m}, v={v}", "v·m") if v > 1 else (f"p={pp}, m={m}", "m")
     fig.update_layout(
-        title=(f"Pipeline step {step} ({what}{shape}): bubble: measured {measured:.0%} vs theory "
+        title=(f"Pipeline {which} ({what}{shape}): bubble: measured {measured:.0%} vs theory "
                f"{theory:.0%}<br><sup>theory (p-1)/({vm}+p-1); F solid, B hatched; colour = microbatch</sup>"),
         barmode="overlay", xaxis_title="ms from the step's first forward",
         yaxis={"categoryorder": "array", "categoryarray": rows, "autorange": "reversed"},
@@ -114,6 +141,36 @@ def plot_pipeline_timeline(run_or_events: Run | Iterable[dict[str, Any]], step: 
               "microbatches": m, "stages_per_rank": v, "schedule": schedule},
     )
     return fig
+
+
+def pipeline_trace(run_or_events: Run | Iterable[dict[str, Any]], step: int | None = None) -> dict[str, Any]:
+    """The measured pipeline schedule in Chrome/Perfetto Trace Event Format, for ``chrome://tracing`` or
+    ui.perfetto.dev: one complete event (``"ph": "X"``) per forward/backward, ``pid`` = rank,
+    ``tid`` = stage, ``ts``/``dur`` in microseconds from the first action shown.
+
+    ``step=None`` exports every complete step (so steps can be compared side by side in the viewer);
+    a step number exports that step only (ValueError naming the choices if it is incomplete).
+    """
+    events = _events(run_or_events)
+    steps = [pipeline_step(events, step)] if step is not None else pipeline_steps(events)
+    frame = schedule_frame([e for e in events if e.get("type") == "schedule"])
+    frame = frame[frame["step"].isin(steps)]
+    t0 = frame["start"].min() if len(frame) else 0.0
+    trace = [{"name": f"{ph}{int(mb)}", "cat": "forward" if ph == "F" else "backward", "ph": "X",
+              "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6, "pid": int(rank), "tid": int(stage),
+              "args": {"step": int(st), "stage": int(stage), "microbatch": int(mb)}}
+             for rank, st, stage, mb, ph, start, end in frame[list(COLUMNS)].itertuples(index=False)]
+    names = [{"name": "process_name", "ph": "M", "pid": int(r), "tid": 0, "args": {"name": f"rank {int(r)}"}}
+             for r in sorted(frame["rank"].unique())]
+    return {"traceEvents": names + trace, "displayTimeUnit": "ms"}
+
+
+def export_pipeline_trace(run_or_events: Run | Iterable[dict[str, Any]], path: str | Path,
+                          step: int | None = None) -> Path:
+    """Write :func:`pipeline_trace` as JSON to ``path`` and return the path."""
+    path = Path(path)
+    path.write_text(json.dumps(pipeline_trace(run_or_events, step)))
+    return path
 
 
 def plot_tokens_per_expert(run_or_events: Run | Iterable[dict[str, Any]], step: int | None = None) -> go.Figure:
