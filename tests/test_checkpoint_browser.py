@@ -127,7 +127,8 @@ def test_fp8_tensor_statistics_and_histogram(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# a checkpoint of the workbench saver: hyper-parameters as tensors, two param groups, two steps
+# a checkpoint of the workbench saver: two param groups, two steps; hyper-parameters packed (one JSON item,
+# what saves write now) or per key (one 0-d/1-d tensor each, what they wrote before the packing)
 # --------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -139,21 +140,45 @@ def small(tmp_path_factory):
     return steps, CheckpointBrowser(steps[0])
 
 
-def test_param_groups_are_one_entry_each(small):
-    _, b = small
+@pytest.fixture(scope="module")
+def small_per_key(tmp_path_factory):
+    from test_checkpoint_listing import save_small_run_per_key
+    from workbench.widgets import CheckpointBrowser
+
+    steps = save_small_run_per_key(tmp_path_factory.mktemp("small_per_key"))
+    return steps, CheckpointBrowser(steps[0])
+
+
+@pytest.fixture(params=["packed", "per-key"])
+def either(request):
+    """``(format, (steps, browser))``: each test that takes it runs on both storage formats."""
+    return request.param, request.getfixturevalue("small" if request.param == "packed" else "small_per_key")
+
+
+def test_param_groups_are_one_entry_each(either):
+    fmt, (_, b) = either
     values = [v for _, v in b.listing.options]
     labels = dict((v, label) for label, v in b.listing.options)
     assert not [v for v in values if ".param_groups." in v and not v.startswith(("param_group:", "group:"))]
     groups = [v for v in values if v.startswith("param_group:")]
     assert groups == ["param_group:optim.param_groups.0", "param_group:optim.param_groups.1"]
     assert labels["group:optim.param_groups"].endswith("(2)")
+    assert not [v for v in values if v.startswith("optim.hyper.")]  # the packed item is folded too
     decay = next(labels[v] for v in groups if "weight_decay=0.1" in labels[v])
     assert "lr=0.005, betas=(0.9, 0.95)" in decay and decay.endswith("(2 params)")
     n = b.manifest.summary()["n_tensors"]
-    assert f"{n} of {n} tensors, 2 param groups (50 hyper-parameters)" in b.count.value
-    assert f"{n} tensors + 50 optimizer hyper-parameters in 2 param groups" in b.header.value
+    # values (a parameter's one hyper-parameter): the same count whatever the storage
+    assert f"{n} of {n} tensors, 2 param groups (50 hyper-parameter values)" in b.count.value
+    assert f"{n} tensors + 50 optimizer hyper-parameter values in 2 param groups" in b.header.value
     b.listing.value = groups[0]  # what a click does
     assert "optimizer param group" in b.info.value and "<td>betas</td>" in b.info.value
+    assert "<td>lr</td><td style='text-align:right'>0.005</td>" in b.info.value
+    first = b.param_groups[0]
+    if fmt == "packed":
+        (item,) = [k for k in b.manifest.keys if k.startswith("optim.hyper.")]
+        assert f"{first.n_values} hyper-parameter values packed in {item} (JSON)" in b.info.value
+    else:
+        assert f"{first.n_values} stored hyper-parameter entries" in b.info.value
     assert b.selected is None and not b.shard_figure.data
     b.filter.value = "norm.bias"  # the group that holds norm.bias stays listed, the other goes
     assert [v for _, v in b.listing.options if v.startswith("param_group:")] == [
@@ -177,8 +202,20 @@ def test_histogram_log_scale_checkbox(small):
     assert not b.stats_log.value and stats["zeros"] == 1 and b.histogram.data[0].y[0] == 10
 
 
-def test_diff_panel_kind_filter_and_changes_per_kind(small):
-    steps, b = small
+def test_packed_hyperparameters_have_no_statistics(small):
+    """The optim.hyper.* item (JSON bytes in a uint8 tensor) can be selected, but it is no numbers: the
+    statistics say so in the panel instead of summarising bytes."""
+    _, b = small
+    (item,) = [k for k in b.manifest.keys if k.startswith("optim.hyper.")]
+    b.select(item)
+    assert "packed optimizer hyper-parameters: UTF-8 JSON, not numbers" in b.info.value
+    with pytest.raises(ValueError, match="packed optimizer hyper-parameters"):
+        b.load_stats(bins=10)
+    assert "ckpt inspect" in b.stats_html.value and b.stats is None and not b.histogram.data
+
+
+def test_diff_panel_kind_filter_and_changes_per_kind(either):
+    fmt, (steps, b) = either
     d = b.run_diff(str(steps[1]), kinds="model")
     assert d.kinds == ["model"] and b.diff_kind.value == "model" and "(kinds: model)" in b.diff_html.value
     assert [t.name for t in b.diff_figure.data] == ["model"]
@@ -187,7 +224,11 @@ def test_diff_panel_kind_filter_and_changes_per_kind(small):
     b.diff_button.click()
     names = [t.name for t in b.diff_figure.data]
     assert b.diff_result.kinds is None and "model" in names and "optimizer exp_avg_sq" in names
+    assert "optimizer hyper-parameter" not in names  # hyper-parameters are no tensor change, in either format
+    assert not any(k.startswith("optim.hyper.") for t in b.diff_figure.data for k in t.y)
     assert "optimizer hyper-parameters changed" in b.diff_html.value
+    assert "lr: 0.005 &rarr; 0.00333333 (5 params)" in b.diff_html.value
+    assert "5 of 50 hyper-parameter values differ" in b.diff_html.value
     b.diff_kind.value = "optimizer"
     b.diff_button.click()
     assert set(b.diff_result.values["kind"]) == {"optimizer"} and "model" not in [t.name for t in b.diff_figure.data]

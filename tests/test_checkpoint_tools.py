@@ -653,3 +653,9 @@ def test_reads_what_the_trainers_checkpointer_writes(tmp_path):
     st = tmp_path / "w.safetensors"
     export(m, st, to="safetensors", progress=False)
     assert diff(m, st, kinds=["model"], progress=False).identical
+    # its hyper-parameters are packed (one JSON item): compared by value, never ranked as a tensor
+    (item,) = [k for k in m.keys if k.startswith("optim.hyper.")]
+    same = diff(m, m, kinds=["optim"], progress=False)
+    assert same.identical and same.packed == {"a": [item], "b": [item]} and len(same.hyper) > 0
+    assert item not in set(same.values["key"]) and same.n_hyper_differ == 0
+    assert diff(m, m, values=False, progress=False).hyper_status == "same"

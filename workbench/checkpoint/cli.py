@@ -63,7 +63,7 @@ def _progress(args: argparse.Namespace) -> bool:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from workbench.checkpoint.contents import inspect
-    from workbench.checkpoint.param_groups import listing, matches, param_groups
+    from workbench.checkpoint.param_groups import describe_groups, listing, matches, param_groups
 
     m = inspect(args.path)
     groups = param_groups(m)  # the hyper-parameter entries, one group each (their values: a few bytes, one read)
@@ -72,6 +72,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         frame = frame[frame["kind"] == args.kind]
     if args.filter:
         frame = frame[frame["key"].str.contains(args.filter, regex=False)]
+    rows = listing(m, groups)  # entries, with one row per param group
+    if args.kind:
+        rows = rows[rows["kind"] == args.kind]
+    if args.filter:  # a group passes by its name or what it folds: its entries, or (packed) its parameters
+        rows = rows[[matches(r, args.filter) for r in rows.to_dict("records")]]
     if args.json:
         doc = m.to_dict()
         keep = set(frame["key"])
@@ -83,17 +88,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         # values, whatever the storage (n_hyperparameters counts stored entries: one per value before the
         # packing, one JSON item per distinct set after it)
         doc["summary"]["n_hyperparameter_values"] = sum(g.n_values for g in groups)
-        doc["param_groups"] = [g.to_dict() for g in groups if any(k in keep for k in g.keys)]
+        doc["param_groups"] = [r["group"].to_dict() for r in rows.to_dict("records") if r["group"] is not None]
         emit_json({"status": "ok", **doc})
         return 0
-    rows = listing(m, groups)
-    if args.kind:
-        rows = rows[rows["kind"] == args.kind]
-    if args.filter:
-        rows = rows[[matches(r, args.filter) for r in rows.to_dict("records")]]
     s = m.summary()
-    hyper = (f" + {sum(g.n_values for g in groups)} optimizer hyper-parameters in {len(groups)} param group"
-             f"{'s' if len(groups) != 1 else ''}") if s["n_hyperparameters"] else ""
+    hyper = f" + {describe_groups(groups)}" if groups else ""
     print(f"{s['path']}  ({s['format']})")
     print(f"step {s['step']}  layout {s['layout_description'] or '-'}  ranks {s['world_size'] or '-'}  "
           f"{s['n_tensors']} tensors{hyper}  {format_bytes(s['total_bytes'])}  files {s['n_files']}")
@@ -109,7 +108,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{'key':<{width}}  {'kind':<9} {'dtype':<{dw}} {'shape':<16} {'size':>10}  shards")
     for r in shown.itertuples(index=False):
         if r.group is not None:  # one row per optimizer param group
-            print(f"{r.key:<{width}}  {r.kind:<9} {r.group.label()}  [{len(r.group.keys)} entries]")
+            print(f"{r.key:<{width}}  {r.kind:<9} {r.group.label()}  [{r.group.storage()}]")
             continue
         shape = "-" if r.shape is None else "x".join(map(str, r.shape)) or "()"
         ranks = sorted({s["rank"] for s in r.shards if s.get("rank") is not None})

@@ -11,8 +11,16 @@ The largest changes (by ``rel_norm``) answer "which layers moved most between st
 are ranked within each *tensor kind* (:func:`tensor_kind`: ``model``, ``optimizer exp_avg``, ``optimizer
 exp_avg_sq``, ``optimizer step``, ``rng``, ``ema``, ...), because an optimizer's second moment can move by
 tens of times its norm in one step while the weights move by a few percent: one global ranking would show
-nothing but ``exp_avg_sq``. Optimizer hyper-parameters are not ranked; their changes are folded, one row
-per (name, old value, new value), in :meth:`CheckpointDiff.hyperparameter_changes`.
+nothing but ``exp_avg_sq``.
+
+Optimizer hyper-parameters are not tensors to rank. Whatever their storage (one 0-d/1-d tensor per
+parameter and name, ``optim.param_groups.<fqn>.<name>``, as saves wrote them before the packing; or packed,
+``optim.hyper.<digest>``: every parameter's values as UTF-8 JSON in a uint8 tensor), both sides are decoded
+to ``<fqn>.<name> -> value`` and compared parameter by parameter, so a packed checkpoint diffs against an
+old one too. Their changes are folded, one row per (name, old value, new value) with the number of
+parameters that changed so, in :meth:`CheckpointDiff.hyperparameter_changes`; a packed item's bytes are
+never compared, ranked or counted as values (its key is the digest of its content, so it differs whenever
+any value does).
 """
 
 from __future__ import annotations
@@ -79,11 +87,16 @@ class CheckpointDiff:
     compared_values: bool = True
     hyper: pd.DataFrame = field(default_factory=pd.DataFrame)  # key, name, a, b (the values of hyper-parameters)
     kinds: list[str] | None = None  # the checkpoint kinds compared (None: all)
+    # how the hyper-parameters were compared: "" (neither side has any), "values" (decoded, see ``hyper``), or
+    # without values: "same" (the same packed items), "differ" (other items or entries), "not compared"
+    hyper_status: str = ""
+    packed: dict[str, list[str]] = field(default_factory=dict)  # "a"/"b" -> the optim.hyper.* items (JSON)
 
     @property
     def identical(self) -> bool:
         return (not self.added and not self.removed and self.changed.empty
-                and (self.values.empty or bool(self.values["equal"].all())) and self.hyperparameter_changes().empty)
+                and (self.values.empty or bool(self.values["equal"].all())) and self.hyper_status != "differ"
+                and self.hyperparameter_changes().empty)
 
     @property
     def n_differ(self) -> int:
@@ -126,8 +139,15 @@ class CheckpointDiff:
                          "max_rel_norm": float(moved["rel_norm"].max()) if len(moved) else 0.0})
         return pd.DataFrame(rows, columns=cols)
 
+    @property
+    def n_hyper_differ(self) -> int:
+        """Hyper-parameter values (one per parameter and name) that differ; 0 when not compared."""
+        h = self.hyper
+        return int((h["a"].map(repr) != h["b"].map(repr)).sum()) if len(h) else 0
+
     def hyperparameter_changes(self) -> pd.DataFrame:
-        """Changed optimizer hyper-parameters, folded: ``name, a, b, params`` (how many entries changed so)."""
+        """Changed optimizer hyper-parameters, folded: ``name, a, b, params`` (how many parameters changed so;
+        ``a``/``b`` None where that side does not hold the value). The same for both storage formats."""
         cols = ["name", "a", "b", "params"]
         h = self.hyper
         if h.empty:
@@ -147,15 +167,37 @@ class CheckpointDiff:
                 "n_compared": int(len(self.values)), "n_equal": int(self.values["equal"].sum()) if len(self.values) else 0,
                 "by_tensor_kind": self.by_tensor_kind().to_dict("records"),
                 "top_changes": self.top(top).to_dict("records"),
+                "hyperparameters": {"status": self.hyper_status, "n_compared": int(len(self.hyper)),
+                                    "n_differ": self.n_hyper_differ, "packed_items": self.packed,
+                                    "note": self._hyper_note()},
                 "hyperparameter_changes": self.hyperparameter_changes().to_dict("records")}
 
     def to_json(self, top: int = 10) -> str:
         return json.dumps(self.to_dict(top), indent=2, default=str)
 
+    def _hyper_note(self) -> str:
+        """What was done with the hyper-parameters, in words ("" when neither side has any)."""
+        packed = any(self.packed.values())
+        if self.hyper_status == "values":
+            return (f"{self.n_hyper_differ} of {len(self.hyper)} hyper-parameter values differ"
+                    + (" (optim.hyper.* JSON, decoded and compared per parameter, not as a tensor)"
+                       if packed else ""))
+        if self.hyper_status == "same":
+            return "optimizer hyper-parameters the same (the same optim.hyper.* items)"
+        if self.hyper_status == "differ":
+            return ("optimizer hyper-parameters differ (" + ("other optim.hyper.* items" if packed else "other entries")
+                    + "; compare values to see which)")
+        if self.hyper_status == "not compared":
+            return "optimizer hyper-parameters not compared (values not read)"
+        return ""
+
     def summary_line(self) -> str:
-        """``0 added, 0 removed, 0 changed shape/dtype, 245 of 681 values differ``."""
+        """``0 added, 0 removed, 0 changed shape/dtype, 245 of 681 values differ, 5 of 750 hyper-parameter
+        values differ``: tensor values and hyper-parameter values are counted apart."""
+        note = self._hyper_note()
         return (f"{len(self.added)} added, {len(self.removed)} removed, {len(self.changed)} changed shape/dtype"
                 + (f", {self.n_differ} of {len(self.values)} values differ" if self.compared_values else "")
+                + (f", {note}" if note else "")
                 + (f" (kinds: {', '.join(self.kinds)})" if self.kinds else ""))
 
     def _repr_html_(self) -> str:
@@ -207,12 +249,11 @@ def diff(a, b, *, values: bool = True, kinds: Iterable[str] | None = None, progr
         kinds = [k for k in CHECKPOINT_KINDS if k in {checkpoint_kind(k) for k in kinds}]  # "optim" -> "optimizer"
         ra = {k: r for k, r in ra.items() if r["kind"] in kinds}
         rb = {k: r for k, r in rb.items() if r["kind"] in kinds}
-    # Packed hyperparameters (optim.hyper.<digest>: JSON, the digest of its content) are compared by value,
-    # parameter by parameter, never as bytes: their keys differ whenever a value does.
-    pa = [k for k in ra if k.startswith(_PACKED)]
-    pb = [k for k in rb if k.startswith(_PACKED)]
-    ra = {k: r for k, r in ra.items() if not k.startswith(_PACKED)}
-    rb = {k: r for k, r in rb.items() if not k.startswith(_PACKED)}
+    # Hyper-parameters, per-key entries and packed items (optim.hyper.<digest>: JSON, the digest of its
+    # content) alike, are compared by value, parameter by parameter, never as tensors.
+    ha = [k for k in ra if is_hyperparameter(k)]
+    hb = [k for k in rb if is_hyperparameter(k)]
+    hyper_a, hyper_b = {k: ra.pop(k) for k in ha}, {k: rb.pop(k) for k in hb}
     added = [k for k in rb if k not in ra]
     removed = [k for k in ra if k not in rb]
     common = [k for k in ra if k in rb]
@@ -220,44 +261,60 @@ def diff(a, b, *, values: bool = True, kinds: Iterable[str] | None = None, progr
                 "b_dtype": rb[k]["dtype"], "b_shape": rb[k]["shape"]}
                for k in common if ra[k]["shape"] != rb[k]["shape"] or ra[k]["dtype"] != rb[k]["dtype"]]
     rows, hyper = [], []
+    status = "" if not (ha or hb) else "values" if values else _hyper_status(ha, hb)
     if values:
         same_shape = [k for k in common if ra[k]["shape"] == rb[k]["shape"]]
         for k in tqdm(same_shape, desc="diff", unit="tensor", disable=not progress, leave=False):
             ta, tb = sa.get(k), sb.get(k)
-            tk = tensor_kind(k, ra[k]["kind"])
-            rows.append({"key": k, "kind": ra[k]["kind"], "tensor_kind": tk, **_value_change(ta, tb)})
-            if tk == HYPERPARAMETER and ta.numel() <= 64:
-                hyper.append({"key": k, "name": k.rsplit(".", 1)[-1], "a": _plain(ta), "b": _plain(tb)})
+            rows.append({"key": k, "kind": ra[k]["kind"], "tensor_kind": tensor_kind(k, ra[k]["kind"]),
+                         **_value_change(ta, tb)})
             del ta, tb
-        if pa or pb:
-            hyper += _packed_changes([sa.get(k) for k in pa], [sb.get(k) for k in pb])
-    elif bool(pa) != bool(pb) or (pa and set(pa) != set(pb)):
-        changed.append({"key": "optim.hyper", "kind": "optimizer", "a_dtype": "json", "a_shape": None,
-                        "b_dtype": "json", "b_shape": None})
+        if ha or hb:
+            va, vb = _hyper_values(sa, hyper_a), _hyper_values(sb, hyper_b)
+            hyper = [{"key": k, "name": k.rsplit(".", 1)[-1], "a": va.get(k), "b": vb.get(k)}
+                     for k in list(va) + [k for k in vb if k not in va]]
     return CheckpointDiff(a=str(sa.manifest.path), b=str(sb.manifest.path), added=added, removed=removed,
                           changed=pd.DataFrame(changed, columns=_CHANGED_COLUMNS),
                           values=pd.DataFrame(rows, columns=_VALUE_COLUMNS), compared_values=values,
                           hyper=pd.DataFrame(hyper, columns=["key", "name", "a", "b"]),
-                          kinds=None if kinds is None else list(kinds))
+                          kinds=None if kinds is None else list(kinds), hyper_status=status,
+                          packed={"a": [k for k in ha if k.startswith(_PACKED)],
+                                  "b": [k for k in hb if k.startswith(_PACKED)]})
 
 
 _PACKED = "optim.hyper."
 
 
-def _packed_changes(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[dict[str, Any]]:
-    """One row per parameter and hyper-parameter in either side's packed items (``a``/``b`` None where a
-    side lacks it), keyed as the per-key format would be."""
-    from workbench.checkpoint.param_groups import _python
+def _hyper_status(ha: list[str], hb: list[str]) -> str:
+    """Hyper-parameters compared without reading values: packed items are named by the digest of their
+    content, so equal names are equal values; per-key entries that differ in name differ."""
+    pa, pb = ({k for k in h if k.startswith(_PACKED)} for h in (ha, hb))
+    if pa == set(ha) and pb == set(hb):  # packed on both sides (or only on one)
+        return "same" if pa == pb else "differ"
+    if not pa and not pb:  # per-key on both sides
+        return "differ" if set(ha) != set(hb) else "not compared"
+    return "not compared"  # one side packed, the other per key: only the values tell
+
+
+def _hyper_values(source, rows: dict[str, dict]) -> dict[str, Any]:
+    """``optim.param_groups.<fqn>.<name> -> value`` of one side: per-key entries as they are, packed items
+    decoded (:func:`workbench.checkpoint.state.unpack_hyper`) to the same keys. Every entry is read in one
+    go (a few KiB); what that read misses is read on its own, which names the problem if there is one."""
+    from workbench.checkpoint.param_groups import _python, _read_values
     from workbench.checkpoint.state import unpack_hyper
 
-    ha, hb = unpack_hyper(a), unpack_hyper(b)
-    rows = []
-    for fqn in sorted(set(ha) | set(hb)):
-        va, vb = ha.get(fqn, {}), hb.get(fqn, {})
-        for name in sorted(set(va) | set(vb)):
-            rows.append({"key": f"optim.param_groups.{fqn}.{name}", "name": name,
-                         "a": _python(va.get(name)), "b": _python(vb.get(name))})
-    return rows
+    stored = {k: r.get("stored_key", k) for k, r in rows.items()}
+    got = _read_values(source.manifest, [{**r, "key": stored[k]} for k, r in rows.items()])
+    tensors = {k: got[stored[k]] if stored[k] in got else source.get(k) for k in rows}
+    out: dict[str, Any] = {}
+    for k, t in tensors.items():
+        if not k.startswith(_PACKED):
+            out[k] = _plain(t)
+    packed = [t for k, t in tensors.items() if k.startswith(_PACKED)]
+    for fqn, hyper in (unpack_hyper(packed) if packed else {}).items():
+        for name, v in hyper.items():
+            out[f"optim.param_groups.{fqn}.{name}"] = _python(v)
+    return out
 
 
 def _plain(t: torch.Tensor) -> Any:

@@ -24,7 +24,11 @@ Kinds follow the workbench key contract (first dotted component), with heuristic
 Optimizer hyper-parameters (``optim.param_groups.<fqn>.lr`` ...: torch's flattened optimizer state repeats
 each group's ``lr, betas, eps, ...`` under every parameter) are entries of kind ``optimizer`` too, but they
 are not counted as tensors: :func:`is_hyperparameter` names them, ``summary()`` counts them apart, and
-:mod:`workbench.checkpoint.param_groups` folds them into one row per param group for listings.
+:mod:`workbench.checkpoint.param_groups` folds them into one row per param group for listings. Saves now
+pack them (``optim.hyper.<digest>``: every parameter's values as JSON in one uint8 tensor): such an item is
+one entry however many values it holds, so ``summary()`` counts stored entries
+(``n_hyperparameters``) and packed items (``n_packed_hyperparameter_items``), never values (the metadata
+does not have them; ``param_groups`` reads them).
 """
 
 from __future__ import annotations
@@ -184,6 +188,7 @@ class CheckpointManifest(RendersInNotebook):
             # tensors proper (weights, moments, RNG states...): a hyper-parameter saved as a 0-d tensor is
             # counted under n_hyperparameters, not here
             "n_tensors": int(len(t) - hyper[t.index].sum()), "n_hyperparameters": int(hyper.sum()),
+            "n_packed_hyperparameter_items": int(sum(str(k).startswith("optim.hyper.") for k in self.frame["key"])),
             "n_entries": int(len(self.frame)), "total_bytes": int(t["bytes"].sum()),
             "bytes_by_kind": by_kind, "n_params_model": int(sum(_numel(s) for s in t.loc[t["kind"] == "model", "shape"])),
             "dtypes": sorted(set(t["dtype"])), "n_files": len(self.files),
@@ -213,7 +218,7 @@ class CheckpointManifest(RendersInNotebook):
                         for k, b in s["bytes_by_kind"].items())
         head = (f"<b>CheckpointManifest</b> <code>{html.escape(s['path'])}</code> ({s['format']})<br>"
                 f"step {s['step']} &middot; {s['n_tensors']} tensors"
-                + (f" + {s['n_hyperparameters']} optimizer hyper-parameters" if s["n_hyperparameters"] else "")
+                + "".join(f" + {w}" for w in _hyper_words(s))
                 + f" &middot; {format_bytes(s['total_bytes'])}"
                 + (f" &middot; layout {html.escape(s['layout_description'])}" if s["layout_description"] else "")
                 + (f" &middot; {s['world_size']} ranks" if s["world_size"] else ""))
@@ -231,9 +236,22 @@ class CheckpointManifest(RendersInNotebook):
     def __repr__(self) -> str:
         s = self.summary()
         return (f"CheckpointManifest({str(self.path)!r}, format={self.format!r}, step={s['step']}, "
-                f"tensors={s['n_tensors']}, hyperparameters={s['n_hyperparameters']}, "
+                f"tensors={s['n_tensors']}, hyperparameter_entries={s['n_hyperparameters']}, "
                 f"bytes={format_bytes(s['total_bytes'])}, by_kind="
                 + "{" + ", ".join(f"{k}: {format_bytes(b)}" for k, b in s["bytes_by_kind"].items()) + "})")
+
+
+def _hyper_words(s: dict[str, Any]) -> list[str]:
+    """The hyper-parameter entries of a summary in words true for both storage formats: per-key entries
+    (one value each) and packed items (JSON, any number of values) counted apart."""
+    packed = s.get("n_packed_hyperparameter_items", 0)
+    entries = s["n_hyperparameters"] - packed
+    out = []
+    if entries:
+        out.append(f"{entries} optimizer hyper-parameter entr{'ies' if entries != 1 else 'y'}")
+    if packed:
+        out.append(f"optimizer hyper-parameters packed in {packed} JSON item{'s' if packed != 1 else ''}")
+    return out
 
 
 def _numel(shape) -> int:

@@ -16,6 +16,12 @@ state dict does not keep torch's group index). Unflattened state (``optim.param_
 other tools) keeps its own index. Values saved as tensors are read (a few bytes each, all in one read);
 values DCP stored pickled are never unpickled, so those groups list the names only, and parameters with
 the same names are one group.
+
+Saves now pack them: one ``optim.hyper.<digest>`` item (UTF-8 JSON in a uint8 tensor, see
+:func:`workbench.checkpoint.state.pack_hyper`) holds every parameter's values. Its groups are folded the
+same way and listed the same; they share that one stored item, so counts say *values* (one per parameter
+and name, :attr:`ParamGroup.n_values`, the same number for both formats) where stored entries would differ
+(:func:`describe_groups`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 
 from workbench.checkpoint.manifest import CheckpointManifest
 
-__all__ = ["ParamGroup", "param_groups", "listing", "matches", "format_value", "LISTING_COLUMNS"]
+__all__ = ["ParamGroup", "param_groups", "listing", "matches", "format_value", "describe_groups", "LISTING_COLUMNS"]
 
 LISTING_COLUMNS = ("key", "kind", "dtype", "shape", "bytes", "shards", "group")
 _BASE = re.compile(r"^(?P<base>(?:.*\.)?param_groups)(?:\.(?P<rest>.+))?$")
@@ -52,9 +58,20 @@ class ParamGroup:
 
     @property
     def n_values(self) -> int:
-        """Hyper-parameter values it stands for: one entry each (per-key format), or parameters x names
-        (packed)."""
-        return len(self.params) * len(self.hyper) if self.packed else len(self.keys)
+        """Hyper-parameter values it stands for, one per parameter and name whatever the storage: its
+        entries (per-key format: one value each; an unflattened group's ``params`` list is no value), or
+        parameters x names (packed). 0 when a packed item could not be read."""
+        if self.packed:
+            return len(self.params) * len(self.hyper)
+        return sum(1 for k in self.keys if not k.endswith(".params"))
+
+    def storage(self) -> str:
+        """Where its values are stored: ``20 entries``, or ``packed in optim.hyper.<digest> (JSON)``."""
+        if not self.packed:
+            return f"{len(self.keys)} entr{'ies' if len(self.keys) != 1 else 'y'}"
+        if len(self.keys) == 1:
+            return f"packed in {self.keys[0]} (JSON)"
+        return f"packed in {len(self.keys)} optim.hyper.* items (JSON)"
 
     @property
     def n_params(self) -> int | None:
@@ -77,8 +94,28 @@ class ParamGroup:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "hyper": {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.hyper.items()},
-                "n_params": self.n_params, "params": list(self.params), "n_entries": self.n_values,
+                "n_params": self.n_params, "params": list(self.params), "n_values": self.n_values,
+                # stored entries: one per value (per-key format), or the packed items it shares with the
+                # other groups (``keys``)
+                "n_entries": len(self.keys), "packed": self.packed, "keys": list(self.keys) if self.packed else None,
                 "bytes": int(self.bytes), "values_read": self.values_read}
+
+
+def describe_groups(groups: list[ParamGroup]) -> str:
+    """``50 optimizer hyper-parameter values in 2 param groups``: true for both storage formats (a value is
+    one parameter's one hyper-parameter); "" when there are no groups. Packed items that could not be read
+    are said to be so, not counted as 0 values."""
+    if not groups:
+        return ""
+    n = len(groups)
+    where = f"in {n} param group{'s' if n != 1 else ''}"
+    unread = [g for g in groups if g.packed and not g.values_read]
+    counted = sum(g.n_values for g in groups if g not in unread)
+    if unread and counted:
+        return f"{counted} optimizer hyper-parameter values {where} (and packed values that could not be read)"
+    if unread:
+        return f"optimizer hyper-parameters {where} (packed, could not be read)"
+    return f"{counted} optimizer hyper-parameter value{'s' if counted != 1 else ''} {where}"
 
 
 def format_value(v: Any) -> str:
@@ -102,7 +139,11 @@ def _split(key: str) -> tuple[str, str, str] | None:
 
 
 def _python(value: Any) -> Any:
-    """A stored hyper-parameter as the Python value the optimizer held (0-d -> scalar, 1-d -> tuple)."""
+    """A stored hyper-parameter as the Python value the optimizer held (0-d -> scalar, 1-d -> tuple); a
+    packed tensor value (``{"tensor": ..., "dtype": ...}``, e.g. a capturable lr) as its number(s)."""
+    if isinstance(value, dict) and "tensor" in value:
+        value = value["tensor"]
+        return value if isinstance(value, (int, float, bool)) else _python(_flat(value))
     if isinstance(value, torch.Tensor):
         if value.numel() > 64:
             return None
@@ -112,6 +153,13 @@ def _python(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(value)
     return value if isinstance(value, (bool, int, float, str, tuple, type(None))) else None
+
+
+def _flat(value: Any) -> list:
+    """A nested list (a tensor's ``tolist()``) flattened."""
+    if not isinstance(value, list):
+        return [value]
+    return [x for v in value for x in _flat(v)]
 
 
 def _read_values(m: CheckpointManifest, rows: list[dict]) -> dict[str, Any]:

@@ -17,6 +17,10 @@ lands in the first bin::
 
     >>> tensor_stats("runs/r1", "optim.state.output.weight.exp_avg_sq", bins=40, log=True)["histogram"]
     {"centers": [...], "counts": [...], "width": ..., "scale": "log10|x|", "excluded": 0}
+
+Packed optimizer hyper-parameters (``optim.hyper.<digest>``) are stored as uint8 tensors, but they hold
+UTF-8 JSON, not numbers: asking for their statistics is a ValueError that points to ``ckpt inspect``
+(:mod:`workbench.checkpoint.param_groups` lists their values, one row per param group).
 """
 
 from __future__ import annotations
@@ -53,8 +57,15 @@ def tensor_stats(src: "str | os.PathLike | CheckpointManifest | TensorSource", k
     there is nothing to count. ``src`` is anything :func:`inspect` accepts, or an open source (reuse one to
     read many tensors without re-reading the metadata).
     """
+    from workbench.checkpoint.state import is_packed_hyper
+
     source = open_source(src)
-    t = source.get(_canonical_key(source, key)).detach()
+    canon = _canonical_key(source, key)
+    if is_packed_hyper(canon) or is_packed_hyper(key):
+        raise ValueError(f"{key!r} is packed optimizer hyper-parameters (UTF-8 JSON in a uint8 tensor), not numbers "
+                         f"to summarise; `workbench ckpt inspect {source.manifest.path}` lists their values, one "
+                         "row per param group")
+    t = source.get(canon).detach()
     x = (t.float() if t.is_floating_point() else t).to(torch.float64)
     finite = x[torch.isfinite(x)]
     n = finite.numel()

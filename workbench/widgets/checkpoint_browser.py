@@ -12,7 +12,9 @@ A thin view over :mod:`workbench.checkpoint` (it holds no checkpoint logic)::
     |   0  lr=0.001, ... (48) |  Diff: [path] [kind v] [x] values [Compare] -> changes per kind   |
 
 The key tree takes the room it is given (it grows with the tab; names are not cut at a fixed width).
-Optimizer hyper-parameters are one entry per param group (:mod:`workbench.checkpoint.param_groups`).
+Optimizer hyper-parameters are one entry per param group (:mod:`workbench.checkpoint.param_groups`),
+whether stored one tensor per parameter and name or packed (``optim.hyper.<digest>``, JSON); counts say
+values (one per parameter and name), the same for both.
 
 Everything a button does is also a method, so notebooks and tests drive it without clicks:
 ``select(key)``, ``select_param_group(name)``, ``load_stats(log=...)``, ``run_diff(other, kinds=...)``,
@@ -35,7 +37,8 @@ from workbench.checkpoint.diff import CheckpointDiff, diff
 from workbench.checkpoint.formats import open_source
 from workbench.checkpoint.contents import inspect
 from workbench.checkpoint.manifest import KINDS, CheckpointManifest
-from workbench.checkpoint.param_groups import ParamGroup, format_value, listing, matches, param_groups
+from workbench.checkpoint.param_groups import (ParamGroup, describe_groups, format_value, listing, matches,
+                                               param_groups)
 from workbench.checkpoint.stats import tensor_stats
 from workbench.checkpoint.plan_load import LoadPlan, plan_load
 from workbench.checkpoint.safeload import CheckpointFormatError
@@ -207,10 +210,7 @@ class CheckpointBrowser(widgets.VBox):
     def _header_html(self) -> str:
         s = self.manifest.summary()
         kinds = " &middot; ".join(f"{k} {format_bytes(b)}" for k, b in s["bytes_by_kind"].items())
-        n = len(self.param_groups)
-        n_values = sum(g.n_values for g in self.param_groups)
-        hyper = (f" + {n_values} optimizer hyper-parameters in {n} param group{'s' if n != 1 else ''}"
-                 if s["n_hyperparameters"] else "")
+        hyper = f" + {describe_groups(self.param_groups)}" if self.param_groups else ""
         return (f"<b>{html.escape(s['path'])}</b> ({s['format']}) &mdash; step {s['step']}, "
                 f"{s['n_tensors']} tensors{hyper}, {format_bytes(s['total_bytes'])}"
                 + (f", layout <b>{html.escape(s['layout_description'])}</b>" if s["layout_description"] else "")
@@ -256,7 +256,7 @@ class CheckpointBrowser(widgets.VBox):
             self.listing.value = keep
 
     def _count_text(self, rows: list[dict[str, Any]]) -> str:
-        """``5 of 201 tensors, 1 param group (480 hyper-parameters), 2 plain values``: what is listed."""
+        """``5 of 201 tensors, 1 param group (480 hyper-parameter values), 2 plain values``: what is listed."""
         s = self.manifest.summary()
         tensors = sum(1 for r in rows if r["group"] is None and r["shape"] is not None)
         groups = [r["group"] for r in rows if r["group"] is not None]
@@ -264,7 +264,7 @@ class CheckpointBrowser(widgets.VBox):
         text = f"{tensors} of {s['n_tensors']} tensors"
         if groups:
             text += (f", {len(groups)} param group{'s' if len(groups) != 1 else ''} "
-                     f"({sum(g.n_values for g in groups)} hyper-parameters)")
+                     f"({sum(g.n_values for g in groups)} hyper-parameter values)")
         if plain:
             text += f", {plain} plain value{'s' if plain != 1 else ''}"
         return text
@@ -299,7 +299,9 @@ class CheckpointBrowser(widgets.VBox):
         self.info.value = (f"<b>{html.escape(key)}</b> &mdash; {row['kind']}, {row['dtype']}, global shape "
                            f"{list(row['shape']) if row['shape'] is not None else '(pickled value)'}, "
                            f"{format_bytes(row['bytes'])}; {len(row['shards'])} shard(s) in {len(files)} file(s)"
-                           + (f", written by rank(s) {ranks}" if ranks else ""))
+                           + (f", written by rank(s) {ranks}" if ranks else "")
+                           + ("<br>packed optimizer hyper-parameters: UTF-8 JSON, not numbers (no statistics); "
+                              "their values are the param groups' entries" if key.startswith("optim.hyper.") else ""))
         if row["shape"] is not None:
             plot_shard_map(row, self.shard_figure)
         else:
@@ -319,14 +321,17 @@ class CheckpointBrowser(widgets.VBox):
         self.stats_html.value = ""
         self.histogram.data = []
         self.shard_figure.data = []
+        unread = "(could not be read)" if g.packed else "(pickled, not read)"
         hyper = "".join(f"<tr><td>{html.escape(k)}</td><td style='text-align:right'>"
-                        f"{html.escape(format_value(v)) if g.values_read else '(pickled, not read)'}</td></tr>"
+                        f"{html.escape(format_value(v)) if g.values_read else unread}</td></tr>"
                         for k, v in g.hyper.items())
         params = ", ".join(html.escape(p) for p in g.params[:50]) + (" ..." if len(g.params) > 50 else "")
         n = g.n_params
+        stored = (f"{g.n_values} hyper-parameter values {html.escape(g.storage())}" if g.packed and g.values_read
+                  else f"values {html.escape(g.storage())}, which could not be read" if g.packed
+                  else f"{len(g.keys)} stored hyper-parameter entries, {format_bytes(g.bytes)}")
         self.info.value = (f"<b>{html.escape(g.name)}</b> &mdash; optimizer param group: "
-                           f"{n if n is not None else 'unknown number of'} parameter(s), {len(g.keys)} stored "
-                           f"hyper-parameter entries, {format_bytes(g.bytes)}<table>{hyper}</table>"
+                           f"{n if n is not None else 'unknown number of'} parameter(s), {stored}<table>{hyper}</table>"
                            + (f"<details><summary>parameters</summary> <small>{params}</small></details>"
                               if g.params else ""))
         if self.listing.value != f"param_group:{name}":
@@ -355,7 +360,7 @@ class CheckpointBrowser(widgets.VBox):
             raise ValueError("select a tensor first (click one in the list, or call select(key))")
         try:
             stats = tensor_stats(self._tensor_source(), self.selected, bins=bins, log=self.stats_log.value)
-        except (CheckpointFormatError, KeyError) as e:
+        except (CheckpointFormatError, KeyError, ValueError) as e:  # ValueError: packed hyper-parameters (JSON)
             self.stats_html.value = f"<span style='color:#cf222e'>{html.escape(str(e))}</span>"
             raise
         hist = stats.pop("histogram")
