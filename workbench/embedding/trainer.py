@@ -54,6 +54,7 @@ from workbench.parallel.build import materialize
 from workbench.parallel.data import apply_ddp
 from workbench.train.events import EventWriter, read_events
 from workbench.train.step import clip_grads_, lr_lambda
+from workbench.train.trainer import _mem_bytes  # the main trainer's step-event memory: CUDA peak or RSS
 
 EMBEDDING_FILE = "embedding.json"
 
@@ -172,16 +173,6 @@ def _grad_sync(backbone: nn.Module):
         else:
             yield
     return sync
-
-
-def _mem_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 def train_rank(job: JobConfig, ecfg: EmbeddingConfig, run_dir: str | Path) -> None:
