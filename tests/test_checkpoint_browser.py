@@ -240,3 +240,22 @@ def test_key_tree_takes_the_width_it_is_given(small):
     tree, tabs = b.children[1].children
     assert b.listing in tree.children and tree.layout.flex.startswith("1 1") and tabs.layout.flex.startswith("1 1")
     assert b.children[1].layout.width == "100%"
+
+
+def test_a_deleted_checkpoint_is_named_as_deleted_and_its_histogram_cleared(tmp_path):
+    """Notebook 04 used to delete its runs at the end: the browser then called them corrupted and kept the
+    earlier histogram under the error."""
+    import shutil
+
+    from workbench.checkpoint import CheckpointFormatError
+    from workbench.widgets import CheckpointBrowser
+
+    write_checkpoint(tmp_path / "ck")
+    b = CheckpointBrowser(tmp_path / "ck")
+    b.select(KEY)
+    assert b.load_stats()["numel"] == 128 * 128 and b.histogram.data
+    shutil.rmtree(tmp_path / "ck")
+    with pytest.raises(CheckpointFormatError, match="deleted or moved after it was opened; open it again") as e:
+        b.load_stats()
+    assert "\n" not in str(e.value) and "corrupted" not in str(e.value)
+    assert not b.histogram.data and b.stats is None and "deleted or moved" in b.stats_html.value

@@ -252,6 +252,159 @@ def test_memory_panel_draws_each_ranks_memory_per_step(dashboards, tmp_path, mon
     assert len(dash.memory_fig.data) == 0
 
 
+# Four steps of a 2-rank run as the trainer writes them, after the launcher's first event (half a second
+# before step 0's): grad_norm and lr are the whole job's (alike on both ranks), step time is each rank's.
+LAUNCHED_AT = 99.5
+GRAD_NORMS, LRS, STEP_TIMES = [4.0, 2.0, 8.0, 1.0], [1e-4, 2e-4, 3e-4, 3e-4], [0.3, 0.1, 0.2, 0.1]
+METRIC_EVENTS = [{"type": "launch", "rank": -1, "time": LAUNCHED_AT, "nproc": 2}] + [
+    _step(rank, step, (900 + step) * MiB, grad_norm=GRAD_NORMS[step], lr=LRS[step],
+          step_time_s=STEP_TIMES[step] + 0.05 * rank)
+    for step in range(4) for rank in (0, 1)]
+
+
+@pytest.fixture
+def replayed(dashboards, tmp_path, monkeypatch):
+    """A dashboard that has drawn finished runs of hand-written events (``replayed(n)``: n of them)."""
+
+    def make(n: int = 1, events=METRIC_EVENTS):
+        runs = [_replayed_run(tmp_path / f"replayed{i}", events) for i in range(n)]
+        pending = list(runs)
+        monkeypatch.setattr(dashboard_module, "launch", lambda *args, **kwargs: pending.pop(0))
+        dash = dashboards(preset="tiny", nproc=2, dp_shard=2, steps=4)
+        for run in runs:
+            assert dash.launch() is run and dash.wait(30) is run
+        return dash, [f"#{i} tiny dp_shard=2 (replayed{i})" for i in range(n)]
+
+    return make
+
+
+def _widgets_under(widget):
+    yield widget
+    for child in getattr(widget, "children", ()):
+        yield from _widgets_under(child)
+
+
+def _traces(fig) -> dict:
+    return {t.name: t for t in fig.data}
+
+
+def test_every_step_metric_gets_a_figure_with_honest_units(replayed):
+    dash, [label] = replayed()
+    shown = list(_widgets_under(dash.widget))
+    for fig in (dash.loss_fig, dash.tps_fig, dash.memory_fig, dash.grad_norm_fig, dash.lr_fig, dash.step_time_fig):
+        assert any(w is fig for w in shown)  # on screen, no code needed
+    # grad norm and lr are the same on every rank: one line per run, rank 0's, and the axis says global
+    assert set(_traces(dash.grad_norm_fig)) == {label} and set(_traces(dash.lr_fig)) == {label}
+    grad, lr = _traces(dash.grad_norm_fig)[label], _traces(dash.lr_fig)[label]
+    assert (list(grad.x), list(grad.y)) == ([0, 1, 2, 3], GRAD_NORMS)
+    assert list(lr.y) == LRS
+    assert "(global)" in dash.grad_norm_fig.layout.yaxis.title.text
+    assert "(global)" in dash.lr_fig.layout.yaxis.title.text
+    # step time is each rank's own: a line per rank, in seconds
+    times = _traces(dash.step_time_fig)
+    assert set(times) == {f"{label} r0", f"{label} r1"}
+    assert list(times[f"{label} r0"].y) == pytest.approx(STEP_TIMES)
+    assert list(times[f"{label} r1"].y) == pytest.approx([t + 0.05 for t in STEP_TIMES])
+    assert "seconds" in dash.step_time_fig.layout.yaxis.title.text
+    assert "per rank" in dash.step_time_fig.layout.yaxis.title.text
+    dash.clear()
+    assert all(len(fig.data) == 0 for fig in (dash.grad_norm_fig, dash.lr_fig, dash.step_time_fig))
+
+
+def test_smoothing_draws_the_ema_over_a_faint_raw_line(replayed):
+    dash, [label] = replayed()
+    w = 0.6
+    dash.smoothing.value = w
+    grad = _traces(dash.grad_norm_fig)
+    raw, smooth = grad[label], grad[f"{label} (EMA)"]
+    expected = [GRAD_NORMS[0]]  # s_0 = x_0, s_t = w s_(t-1) + (1 - w) x_t
+    for x in GRAD_NORMS[1:]:
+        expected.append(w * expected[-1] + (1 - w) * x)
+    assert list(smooth.y) == pytest.approx(expected) == [4.0, 3.2, 5.12, 3.472]
+    assert list(smooth.x) == list(raw.x) and list(raw.y) == GRAD_NORMS  # the raw points stay, faint
+    assert raw.opacity < smooth.opacity == 1 and smooth.showlegend is False
+    assert set(_traces(dash.loss_fig)) == {f"{label} r0", f"{label} r1", f"{label} r0 (EMA)", f"{label} r1 (EMA)"}
+    assert list(_traces(dash.loss_fig)[f"{label} r0 (EMA)"].y) == pytest.approx([5.0, 4.6, 3.96, 3.176])
+    assert set(_traces(dash.lr_fig)) == {label}  # a schedule, not a noisy measurement: not smoothed
+    dash.smoothing.value = 0.9  # another weight redraws the same lines
+    assert _traces(dash.grad_norm_fig)[f"{label} (EMA)"].y[1] == pytest.approx(0.9 * 4 + 0.1 * 2)
+    dash.smoothing.value = 0  # raw again
+    assert set(_traces(dash.grad_norm_fig)) == {label} and raw.opacity == 1
+
+
+def test_log_scale_applies_to_loss_grad_norm_and_step_time(replayed):
+    dash, _ = replayed()
+    logged = (dash.loss_fig, dash.grad_norm_fig, dash.step_time_fig)
+    dash.log_y.value = True
+    assert [fig.layout.yaxis.type for fig in logged] == ["log"] * 3
+    assert all(fig.layout.yaxis.type != "log" for fig in (dash.tps_fig, dash.lr_fig, dash.memory_fig))
+    dash.log_y.value = False
+    assert [fig.layout.yaxis.type for fig in logged] == ["linear"] * 3
+
+
+def test_wall_clock_axis_is_seconds_since_each_runs_first_event(replayed):
+    dash, labels = replayed(2)  # both runs drawn: a control redraws the earlier one too, nothing relaunched
+    dash.x_axis.value = "time"
+    since_launch = [100.0 + step - LAUNCHED_AT for step in range(4)]
+    for label in labels:
+        assert list(_traces(dash.loss_fig)[f"{label} r1"].x) == pytest.approx(since_launch)
+        assert list(_traces(dash.grad_norm_fig)[label].x) == pytest.approx(since_launch)
+        assert list(_traces(dash.memory_fig)[f"{label} r0"].x) == pytest.approx(since_launch)
+    assert "seconds since the run started" in dash.step_time_fig.layout.xaxis.title.text
+    dash.x_axis.value = "step"
+    assert list(_traces(dash.lr_fig)[labels[0]].x) == [0, 1, 2, 3]
+    assert dash.loss_fig.layout.xaxis.title.text == "step"
+    assert len(dash.runs) == 2
+
+
+def _interleaved_events(steps=(0, 1)) -> list[dict]:
+    """pp=2, v=2 (Interleaved1F1B): rank 0 runs stages 0 and 2, rank 1 stages 1 and 3; m=2, unit-time actions."""
+    events = [{"type": "pipeline", "rank": r, "schedule": "Interleaved1F1B", "microbatches": 2} for r in (0, 1)]
+    for step in steps:
+        acts = {0: [], 1: []}
+        t = 100.0 * (step + 1)
+        for mb in range(2):
+            for stage in range(4):
+                acts[stage % 2].append({"stage": stage, "microbatch": mb, "phase": "F", "start": t, "end": t + 1})
+                t += 1
+        for mb in range(2):
+            for stage in reversed(range(4)):
+                acts[stage % 2].append({"stage": stage, "microbatch": mb, "phase": "B", "start": t, "end": t + 1})
+                t += 1
+        events += [{"type": "schedule", "rank": r, "step": step, "actions": a} for r, a in acts.items()]
+    return events
+
+
+def test_interleaved_timeline_has_a_row_per_rank_and_tells_its_stages_apart(replayed):
+    from workbench.widgets.plots import plot_pipeline_timeline
+
+    fig = plot_pipeline_timeline(_interleaved_events())
+    rows = ["stages 0, 2 · rank 0", "stages 1, 3 · rank 1"]
+    assert list(fig.layout.yaxis.categoryarray) == rows  # one row per rank, not per stage
+    bars = [(y, text, tuple(cd), t.marker.color) for t in fig.data for y, text, cd in zip(t.y, t.text, t.customdata)]
+    assert len(bars) == 16  # 4 stages x 2 microbatches x F, B
+    for row, text, (stage, rank, mb, phase, *_), _color in bars:
+        assert row == rows[rank] and text == f"{phase}{mb} s{stage}"  # the bar says its stage
+    # on rank 0, stage 0's and stage 2's forward of one microbatch differ in colour too (the later stage lighter)
+    color = {(cd[0], cd[2], cd[3]): c for _, _, cd, c in bars}
+    assert color[(0, 0, "F")] != color[(2, 0, "F")] and color[(0, 0, "F")] != color[(0, 1, "F")]
+    assert color[(0, 0, "F")] == color[(1, 0, "F")]  # each rank's first stage: the microbatch's own colour
+    assert "lighter" in fig.layout.title.text and fig.layout.meta["stages_per_rank"] == 2
+
+    # GPipe / 1F1B (one stage per rank): the same one row per rank, bars labelled as before
+    gpipe = [e for e in _interleaved_events() if e["type"] == "schedule"]
+    for e in gpipe:
+        e["actions"] = [dict(a, stage=e["rank"]) for a in e["actions"] if a["stage"] < 2]
+    fig = plot_pipeline_timeline(gpipe)
+    assert list(fig.layout.yaxis.categoryarray) == ["stage 0 · rank 0", "stage 1 · rank 1"]
+    assert sorted(x for t in fig.data for x in t.text) == sorted(f"{p}{m}" for p in "FFBB" for m in (0, 1))
+
+    # the dashboard's timeline is the same figure
+    dash, _ = replayed(events=_interleaved_events())
+    assert list(dash.timeline_fig.layout.yaxis.categoryarray) == rows
+    assert "v=2" in dash.bubble_label.value
+
+
 def test_core_never_imports_the_widget_layer():
     code = ("import sys, workbench, workbench.cli, workbench.train.launcher; "
             "print([m for m in sys.modules if m.split('.')[0] in ('ipywidgets', 'plotly', 'anywidget') "
@@ -288,3 +441,28 @@ def test_embedding_task_draws_retrieval_accuracy(dashboards):
     assert dash.launch() is None and "exceed the embedding size" in dash.error_panel.value
     dash.controls["task"].value = "lm"  # the language-model task ignores the embedding settings
     assert "task" not in dash.settings
+
+
+def test_pipeline_settings_follow_pp_and_a_refused_launch_says_what_is_shown():
+    """Notebook 02's suggestion, done in its dashboard: from a pp=2 GPipe run to tiny-moe, pp=1, dp_shard=2,
+    ep=2. The microbatches box still says 4; it used to refuse the launch ("microbatches=4 applies to
+    pipeline parallelism") under a green bar and the last run's timeline."""
+    dash = RunDashboard(preset="tiny", pp=2, pp_schedule="GPipe", microbatches=4, nproc=2, steps=2)
+    c = dash.controls
+    assert not c["microbatches"].disabled and not c["pp_schedule"].disabled
+    c["preset"].value, c["pp"].value, c["dp_shard"].value, c["ep"].value = "tiny-moe", 1, 2, 2
+    assert c["microbatches"].disabled and c["pp_schedule"].disabled
+    assert c["microbatches"].tooltip.endswith("(applies when pp > 1)")
+    settings = dash.settings
+    assert settings["microbatches"] is None
+    model = settings.pop("model")
+    job = build_job(model, **settings)  # what Launch builds: valid now
+    assert job.parallel.ep == 2 and job.parallel.pp == 1
+    c["pp"].value = 2
+    assert not c["microbatches"].disabled and dash.settings["microbatches"] == 4
+    assert not c["microbatches"].tooltip.endswith("(applies when pp > 1)")
+
+    c["pp"].value, c["tp"].value = 1, 3  # tiny has 4 heads: refused before anything starts
+    assert dash.launch() is None and dash.run is None
+    assert "not launched: invalid configuration" in dash.status.value and "d62728" in dash.status.value
+    assert "tp=3" in dash.error_panel.value and dash.error_panel.layout.display == ""

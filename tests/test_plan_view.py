@@ -111,7 +111,9 @@ def test_2d_mesh_blocks_rank_selection_and_bytes(plans):
     bars = {t.name: np.asarray(t.y) for t in view.bytes_fig.data}
     assert set(bars) == {"parameter", "gradient", "optimizer", "master"}
     for cat, y in bars.items():
-        assert np.allclose(y * 2**30, rb[cat].to_numpy())
+        assert np.allclose(y * 2**20, rb[cat].to_numpy())
+    # A 4 MiB model's bytes are drawn in MiB, not as slivers of a GiB.
+    assert view.bytes_unit == ("MiB", 2**20) and view.bytes_fig.layout.yaxis.title.text == "MiB"
     (bar_hi,) = view.bytes_fig.layout.shapes
     assert bar_hi.x0 == 2.5 and bar_hi.x1 == 3.5
     with pytest.raises(ValueError, match="rank=4 is outside the plan's 4 ranks; choose 0..3"):
@@ -213,6 +215,13 @@ def test_llama_70b_on_1024_ranks_stays_quick(big_plan):
     construct = time.perf_counter() - t0
     assert _mesh_z(view).shape == (1, 8, 64)  # dp_shard 128 across (2 ranks a cell), tp 8 down
     assert all(len(t.x) == 1024 for t in view.bytes_fig.data)
+    # 1024 ranks x 4 categories are not 4096 bars: one stacked area per category, same values.
+    assert {t.type for t in view.bytes_fig.data} == {"scatter"}
+    assert {t.stackgroup for t in view.bytes_fig.data} == {"bytes"}
+    rb = plan.rank_bytes()
+    for t in view.bytes_fig.data:
+        assert np.allclose(np.asarray(t.y) * view.bytes_unit[1], rb[t.name].to_numpy())
+    assert view.bytes_unit[0] == ("GiB" if rb["total"].max() >= 2**30 else "MiB")
 
     t0 = time.perf_counter()
     view.select_tensor("layers.40.feed_forward.w2.weight", "gradient")
@@ -277,10 +286,10 @@ def test_predict_button_draws_every_ranks_peak_and_each_distinct_ranks_categorie
     peaks = plan.predicted_peaks("cpu")
     assert list(peaks.index) == [0, 1, 2, 3]
     (line,) = [t for t in view.bytes_fig.data if (t.meta or {}).get("role") == "predicted"]
-    assert list(line.x) == [0, 1, 2, 3] and np.allclose(np.asarray(line.y) * 2**30, peaks.to_numpy())
+    assert list(line.x) == [0, 1, 2, 3] and np.allclose(np.asarray(line.y) * 2**20, peaks.to_numpy())
     assert view.predicted.equals(peaks)
     # The plan's own per-rank bytes stay, and a prediction includes more than they count (activations).
-    bars = {t.name: np.asarray(t.y) * 2**30 for t in view.bytes_fig.data if t.type == "bar"}
+    bars = {t.name: np.asarray(t.y) * 2**20 for t in view.bytes_fig.data if t.type == "bar"}
     assert set(bars) == {"parameter", "gradient", "optimizer", "master"}
     assert (peaks.to_numpy() > sum(bars.values())).all()
     assert not [t for t in view.bytes_fig.data if (t.meta or {}).get("role") == "budget"]  # no budget given
@@ -289,7 +298,8 @@ def test_predict_button_draws_every_ranks_peak_and_each_distinct_ranks_categorie
     timeline = plan.predict_memory("cpu")
     table = timeline.peaks().set_index("rank")
     assert view.memory_box.children == (view.memory_fig,)
-    stacked = {t.name: np.asarray(t.y) * 2**30 for t in view.memory_fig.data}
+    assert view.memory_fig.layout.yaxis.title.text == "MiB"
+    stacked = {t.name: np.asarray(t.y) * 2**20 for t in view.memory_fig.data}
     assert "activation" in stacked and all(len(y) == len(table) == 2 for y in stacked.values())
     assert np.allclose(sum(stacked.values()), table["peak_bytes"].to_numpy())
     assert list(view.memory_fig.data[0].x) == [f"rank {r} (×2)" for r in table.index]
@@ -311,9 +321,9 @@ def test_predict_with_a_budget_draws_the_line_and_the_largest_micro_batch_that_f
     assert view.fit is fit and not fit.fits and fit.peak_bytes == peak
     assert fit.micro_batch is not None and fit.micro_batch < 4 and fit.peak_at_micro_batch <= budget
     (line,) = [t for t in view.bytes_fig.data if (t.meta or {}).get("role") == "budget"]
-    assert list(line.y) == [budget / 2**30] * 2 and list(line.x) == [-0.5, 1.5]
+    assert list(line.y) == [budget / 2**20] * 2 and list(line.x) == [-0.5, 1.5]
     (shape,) = view.memory_fig.layout.shapes
-    assert shape.y0 == shape.y1 == budget / 2**30
+    assert shape.y0 == shape.y1 == budget / 2**20
     note = html.unescape(view.memory_note.value)
     assert "does not fit</b> in " + format_bytes(budget) in note
     assert f"largest micro batch that fits: <b>{fit.micro_batch}</b> (peak {format_bytes(fit.peak_at_micro_batch)})" \

@@ -340,6 +340,15 @@ def has_composite_implicit_kernel(op: Any) -> bool:
     return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), torch._C.DispatchKey.CompositeImplicitAutograd))
 
 
+def op_schema(op: Any) -> Any:
+    """An OpOverload's ``FunctionSchema`` (``op._schema``; torch has no public accessor): its arguments'
+    names, types, defaults and which are keyword-only."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        raise RuntimeError(f"{op} has no schema on torch {torch.__version__}; `workbench doctor` lists what it lacks")
+    return schema
+
+
 def local_tensor(t: Any) -> torch.Tensor:
     """A DTensor's local shard without autograd bookkeeping (``t._local_tensor``)."""
     return t._local_tensor

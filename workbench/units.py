@@ -10,7 +10,7 @@ Binary units (1 KiB = 1024 B), because memory and checkpoint sizes are powers of
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "parse_bytes", "BYTE_UNITS"]
+__all__ = ["format_bytes", "parse_bytes", "axis_unit", "BYTE_UNITS"]
 
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -22,6 +22,21 @@ def format_bytes(n: float) -> str:
         if abs(value) < 1024 or unit == BYTE_UNITS[-1]:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
         value /= 1024
+    raise AssertionError("unreachable")
+
+
+def axis_unit(largest: float) -> tuple[str, int]:
+    """``(name, bytes per unit)`` for a plot axis whose largest value is ``largest`` bytes: the largest binary
+    unit that keeps it at 1 or more, so a 4 MiB model is drawn in MiB and a 70B one in GiB::
+
+        axis_unit(4 * 2**20)  -> ("MiB", 1048576)
+    """
+    value, scale = abs(float(largest)), 1
+    for unit in BYTE_UNITS:
+        if value < 1024 or unit == BYTE_UNITS[-1]:
+            return unit, scale
+        value /= 1024
+        scale *= 1024
     raise AssertionError("unreachable")
 
 

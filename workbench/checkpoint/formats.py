@@ -162,6 +162,7 @@ class TensorSource:
     def _read_stored(self, stored: str) -> torch.Tensor:
         m = self.manifest
         row = m.row(stored)
+        self._check_present(row)
         if row["shape"] is None:
             raise CheckpointFormatError(m.path, f"{stored!r} is a pickled value, not a tensor; it is not loaded",
                                         "only tensors are read (unpickling checkpoint values runs code)")
@@ -177,6 +178,16 @@ class TensorSource:
         if self._torch is None:
             self._torch = read_torch_file(m.path)
         return self._torch[stored]
+
+    def _check_present(self, row: dict) -> None:
+        """A checkpoint deleted or moved since it was opened is named as that, not as a damaged file."""
+        m = self.manifest
+        shards = row.get("shards") or []
+        files = [m.path / s["file"] for s in shards if s.get("file")] if m.path.is_dir() else [m.path]
+        gone = next((f for f in files if not f.exists()), None)
+        if gone is not None:
+            raise CheckpointFormatError(gone, "no such file: the checkpoint was deleted or moved after it was opened",
+                                        "open it again from where it is now")
 
     def _read_dcp(self, stored: str, row: dict) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp

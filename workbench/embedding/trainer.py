@@ -28,7 +28,6 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ from workbench.parallel.apply import build_optimizer, ddp_dim, shard
 from workbench.parallel.build import materialize
 from workbench.parallel.data import apply_ddp
 from workbench.train.events import EventWriter, read_events
+from workbench.train.group import init_group
 from workbench.train.step import clip_grads_, lr_lambda
 from workbench.train.trainer import _mem_bytes  # the main trainer's step-event memory: CUDA peak or RSS
 
@@ -190,8 +190,7 @@ def train_rank(job: JobConfig, ecfg: EmbeddingConfig, run_dir: str | Path) -> No
     if own_group:
         if use_cuda:
             torch.cuda.set_device(device)
-        timeout = timedelta(seconds=float(os.environ.get("WORKBENCH_PG_TIMEOUT_S", "120")))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+        init_group(use_cuda)
     try:
         _train(job, ecfg, run_dir, rank, world, device, events)
         if world > 1:

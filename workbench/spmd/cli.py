@@ -1,6 +1,7 @@
 """``workbench spmd``: explain an op's sharding, run the conformance harness, list the rule registry.
 
     workbench spmd explain masked_fill.Scalar --mesh 2x2 --in "P,R" --in "R,R"
+    workbench spmd explain max.dim --mesh 2 --in "S(1)" --arg dim=1 --arg keepdim=True
     workbench spmd check [--family masked] [--json]          # exit 1 on any failing combination
     workbench spmd rules [--family norm] [--json]
 """
@@ -8,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 
 from workbench.cli_output import EXIT_FAILED, emit_json, error
 
@@ -21,8 +23,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
             shapes = [tuple(int(x) for x in s.split(",") if x.strip()) for s in args.shape]
         except ValueError:
             return error(f"cannot read --shape {args.shape}; write one per tensor input like 4,6", args.json)
+    values = {}
+    for item in args.arg:
+        name, eq, text = item.partition("=")
+        try:
+            if not eq or not name.strip().isidentifier():
+                raise ValueError
+            values[name.strip()] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            return error(f"cannot read --arg {item!r}; write NAME=VALUE with a Python literal, e.g. dim=1, "
+                         "keepdim=True, dims=(0, 1), reduce='mean'", args.json)
     try:
-        e = explain(args.op, *args.inputs, mesh=args.mesh, shapes=shapes)
+        e = explain(args.op, *args.inputs, mesh=args.mesh, shapes=shapes, kwargs=values)
     except ValueError as exc:
         return error(str(exc), args.json)
     if args.json:
@@ -102,6 +114,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "repeat per input (missing inputs are replicated)")
     c.add_argument("--shape", action="append", default=[], metavar="DIMS",
                    help="shape of the next tensor input, e.g. 4,6 (default: the op's conformance case)")
+    c.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="set one of the op's non-tensor arguments by schema name, the value a Python literal, "
+                        "e.g. dim=1 or keepdim=True (repeatable; default: the conformance case's call)")
     c.add_argument("--json", action="store_true", help="print one JSON document")
     c.set_defaults(func=cmd_explain)
 

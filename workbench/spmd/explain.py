@@ -16,8 +16,23 @@ notebook already inside ``torchrun``), it runs in a subprocess. Sharding propaga
 redistribution plan do not depend on the values, and bytes follow from shapes.
 
 Example inputs come from the op's conformance case in the registry (the op is captured with the exact
-arguments the case passes it, backward ops included); ``shapes=[(8, 16), ...]`` builds random inputs for
-an op without a case (tensor arguments in order; ``args``/``kwargs`` supply the rest).
+arguments the case passes it, backward ops included). ``shapes=[(8, 16), ...]`` gives one shape per tensor
+input: for an op with a case the case's call is kept and its tensors become random ones of those shapes;
+for an op without one the tensors are its first arguments (``args`` supplies the positional rest).
+
+The op's other arguments are set by schema name, as keywords of ``explain`` or as ``kwargs={...}``; they
+override what the case passes (any value the schema's type accepts; tensors are inputs, not arguments)::
+
+    >>> explain("max.dim", "S(1)", mesh="2", dim=1)        # or kwargs={"dim": 1}; CLI: --arg dim=1
+    aten.max.dim on mesh 2: out R | R; 0 redistributions, 48 bytes; decided: ours (torch: 96 bytes)
+
+Every explanation shows the call it ran, by schema name (``Explanation.call``, ``.arguments``), e.g.
+``aten.max.dim(self=in0, dim=1, keepdim=False)``.
+
+Torch's rules choose between strategies by an estimated cost (latency plus bytes), so torch's decision can
+depend on sizes: on a 2-rank CPU mesh ``native_batch_norm`` of a batch-sharded activation all-gathers it
+(``R``) below about 81 KB and all-to-alls it to ``S(1)`` above. Run ``explain`` with your shapes to see
+torch's decision for them.
 """
 
 from __future__ import annotations
@@ -25,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import html
 import json
+import logging
+import math
 import os
 import subprocess
 import sys
@@ -109,18 +126,114 @@ def _capture_mode(op: OpOverload):
     return Capture()
 
 
+def _is_tensor_arg(a) -> bool:
+    return "Tensor" in str(a.type)
+
+
+def check_arguments(op: OpOverload, names) -> None:
+    """A one-line ValueError unless every name is a non-tensor argument of ``op``'s schema."""
+    valid = [a.name for a in compat.op_schema(op).arguments if not _is_tensor_arg(a) and not a.is_out]
+    tensors = {a.name for a in compat.op_schema(op).arguments if _is_tensor_arg(a)}
+    for name in names:
+        if name in valid:
+            continue
+        what = f"{name!r} is a tensor input of {op} (give its placements and shape instead)" if name in tensors \
+            else f"{op} has no argument {name!r}"
+        raise ValueError(f"{what}; its non-tensor arguments: {', '.join(valid) or 'none'}")
+
+
+def _with_arguments(op: OpOverload, args: tuple, kwargs: dict, values: dict) -> tuple[tuple, dict]:
+    """The call with ``values`` (schema name -> value) set: a positional argument stays positional (rules
+    read positions), filling skipped ones with their defaults; a keyword-only one goes to kwargs."""
+    args, kwargs = list(args), dict(kwargs)
+    pos = [a for a in compat.op_schema(op).arguments if not a.kwarg_only]
+    for name, v in values.items():
+        i = next((i for i, a in enumerate(pos) if a.name == name), None)
+        if i is None or name in kwargs:
+            kwargs[name] = v
+            continue
+        while len(args) <= i:
+            a = pos[len(args)]
+            args.append(kwargs.pop(a.name) if a.name in kwargs else a.default_value)
+        args[i] = v
+    return tuple(args), kwargs
+
+
+def describe_call(op: OpOverload, args: tuple, kwargs: dict) -> tuple[str, dict[str, Any]]:
+    """(``aten.max.dim(self=in0, dim=1, keepdim=False)``, {non-tensor argument: value}) of one call,
+    defaults included; tensors are named in0, in1, ... in the order ``explain`` numbers its inputs."""
+    k = 0
+
+    def show(v):
+        nonlocal k
+        if isinstance(v, torch.Tensor):
+            k += 1
+            return f"in{k - 1}"
+        if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+            return "[" + ", ".join(show(x) for x in v) + "]"
+        return repr(v)
+
+    parts, values = [], {}
+    pos = [a for a in compat.op_schema(op).arguments if not a.kwarg_only]
+    given = {a.name: v for a, v in zip(pos, args)}
+    for a in compat.op_schema(op).arguments:
+        if a.is_out or (a.name not in given and a.name not in kwargs and not a.has_default_value()):
+            continue
+        v = given[a.name] if a.name in given else kwargs[a.name] if a.name in kwargs else a.default_value
+        parts.append(f"{a.name}={show(v)}")
+        if not isinstance(v, torch.Tensor) and not (isinstance(v, (list, tuple)) and
+                                                     any(isinstance(x, torch.Tensor) for x in v)):
+            values[a.name] = list(v) if isinstance(v, tuple) else v
+    return f"{op}({', '.join(parts)})", values
+
+
+def _dense_check(op: OpOverload, args: tuple, kwargs: dict, source: str) -> None:
+    """A one-line ValueError when the call itself is wrong (``dim=7`` of a 2-d input), before any rule
+    sees it."""
+    try:
+        with torch.no_grad():
+            op(*args, **kwargs)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{describe_call(op, args, kwargs)[0]} ({source}) fails on plain tensors: {first}") from None
+
+
+def _random_like(t: torch.Tensor, shape, gen: torch.Generator) -> torch.Tensor:
+    if t.dtype == torch.bool:
+        return torch.rand(*shape, generator=gen) > 0.5
+    if t.is_floating_point() or t.is_complex():
+        return torch.randn(*shape, generator=gen, dtype=t.dtype)
+    return torch.randint(0, 2, tuple(shape), generator=gen, dtype=t.dtype)  # valid indices into any dim >= 2
+
+
 def example_args(op: OpOverload, shapes: list | None = None, args: tuple | None = None,
                  kwargs: dict | None = None) -> tuple[tuple, dict, str]:
-    """(args, kwargs, where they came from) of one dense call of ``op``."""
+    """(args, kwargs, where they came from) of one dense call of ``op``; ``kwargs`` set arguments by
+    schema name (over the case's values)."""
+    if shapes is not None and args is None and _case_for(op) is not None:
+        c_args, c_kwargs, source = example_args(op, kwargs=kwargs)
+        pytree = compat.get("pytree")
+        flat, tree = pytree.tree_flatten((c_args, c_kwargs))
+        n = sum(isinstance(x, torch.Tensor) for x in flat)
+        if len(shapes) != n:
+            raise ValueError(f"{source} calls {op} with {n} tensor input(s); give {n} shapes, not {len(shapes)}")
+        gen, it = torch.Generator().manual_seed(0), iter(shapes)
+        flat = [_random_like(x, next(it), gen) if isinstance(x, torch.Tensor) else x for x in flat]
+        d_args, d_kwargs = pytree.tree_unflatten(flat, tree)
+        source += ", random inputs of the given shapes"
+        _dense_check(op, d_args, d_kwargs, source)
+        return d_args, d_kwargs, source
     if shapes is not None:
         gen = torch.Generator().manual_seed(0)
         tensors = []
-        names = [a.name for a in op._schema.arguments if "Tensor" in str(a.type)]
+        names = [a.name for a in compat.op_schema(op).arguments if "Tensor" in str(a.type)]
         for i, s in enumerate(shapes):
             name = names[i] if i < len(names) else ""
             t = torch.rand(*s, generator=gen) > 0.5 if name in ("mask", "condition") else torch.randn(*s, generator=gen)
             tensors.append(t)
-        return (*tensors, *(args or ())), dict(kwargs or {}), "random inputs of the given shapes"
+        d_args, d_kwargs = _with_arguments(op, (*tensors, *(args or ())), {}, dict(kwargs or {}))
+        _dense_check(op, d_args, d_kwargs, "random inputs of the given shapes")
+        return d_args, d_kwargs, "random inputs of the given shapes"
     case = _case_for(op)
     if case is None:
         from workbench.spmd import SKIPPED_FAMILIES
@@ -147,7 +260,12 @@ def example_args(op: OpOverload, shapes: list | None = None, args: tuple | None 
     if cap.args is None:
         raise ValueError(f"case {case.name!r} lists {op} but never calls it; give one shape per tensor input: "
                          "shapes=[(4, 6)] (CLI: --shape 4,6)")
-    return cap.args, cap.kwargs, f"case {case.name}"
+    source = f"case {case.name}"
+    if kwargs:
+        cap.args, cap.kwargs = _with_arguments(op, cap.args, cap.kwargs, kwargs)
+        source += " with " + ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        _dense_check(op, cap.args, cap.kwargs, source)
+    return cap.args, cap.kwargs, source
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,6 +289,8 @@ class Explanation:
     torch: dict[str, Any] | None = None  # the same op under torch's rules: outputs, total_bytes, ...
     example: str = ""
     notes: list[str] = field(default_factory=list)
+    call: str = ""  # the call it ran, by schema name: aten.max.dim(self=in0, dim=1, keepdim=False)
+    arguments: dict[str, Any] = field(default_factory=dict)  # its non-tensor arguments, defaults included
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -189,6 +309,7 @@ class Explanation:
         mesh = "x".join(map(str, self.mesh))
         ins = "; ".join(f"in{i} {d['placements']} {tuple(d['shape'])}" for i, d in enumerate(self.inputs))
         lines = [f"{self.op} on mesh {mesh}: {ins}",
+                 *([f"  call: {self.call}"] if self.call else []),
                  f"  out: {' | '.join(o or '-' for o in self.outputs)}"]
         for r in self.redistributions:
             kinds = ", ".join(f"{c['kind']} {c['bytes']} B" for c in r["collectives"]) or "local, no collective"
@@ -232,13 +353,15 @@ class Explanation:
             torch_part = (f"<p>Under torch's rules: out <code>{e(' | '.join(o or '-' for o in self.torch['outputs']))}"
                           f"</code>, {self.torch['total_bytes']:,} bytes.</p>")
         who = e(self.rule or "") if self.decided == "ours" else e(self.torch_rule or "no rule")
+        call = f"<br><code>{e(self.call)}</code>" if self.call else ""
+        notes = "".join(f"<p>Note: {e(n)}</p>" for n in self.notes)
         return (f"<div><b><code>{e(self.op)}</code></b> on mesh {mesh} "
-                f"<span style='color:{color}'>decided: <b>{self.decided}</b></span> <i>{who}</i>"
+                f"<span style='color:{color}'>decided: <b>{self.decided}</b></span> <i>{who}</i>{call}"
                 f"<table><tr><th></th><th>placements</th><th>shape</th><th>dtype</th></tr>{ins}"
                 f"<tr><td>out</td><td colspan=3><code>{e(' | '.join(o or '-' for o in self.outputs))}</code></td></tr>"
                 f"</table><table><tr><th>input</th><th>redistribution</th><th>collectives</th><th>bytes/rank</th></tr>"
                 f"{reds or '<tr><td colspan=4>none</td></tr>'}</table>"
-                f"<p>Total {self.total_bytes:,} bytes sent per rank.</p>{torch_part}</div>")
+                f"<p>Total {self.total_bytes:,} bytes sent per rank.</p>{torch_part}{notes}</div>")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -346,22 +469,30 @@ def _explain_here(op: OpOverload, specs_text: list, mesh_obj, args, kwargs, sour
         notes.append("torch's rule reaches the same plan for these placements")
     if rule is not None and not ours_active:
         notes.append("our rules could not be installed on this torch (see workbench doctor); this is torch's decision")
+    if base.get("redistributions"):
+        size = sum(math.prod(d["shape"]) * torch.empty(0, dtype=getattr(torch, d["dtype"])).element_size()
+                   for d in res["inputs"])
+        notes.append(f"torch's rules pick a strategy by estimated cost (latency + bytes), here for {size:,} bytes "
+                     "of inputs; with other sizes torch may redistribute differently: pass yours "
+                     "(shapes=, CLI --shape)")
+    call, arguments = describe_call(op, args, kwargs)
     return Explanation(
         op=str(op), mesh=list(mesh_obj.shape), inputs=res["inputs"], outputs=res["outputs"],
         redistributions=res["redistributions"], collectives=res["collectives"], total_bytes=res["total_bytes"],
         decided=decided, rule=rule.summary if decided == "ours" else None,
         rule_kind=rule.kind if decided == "ours" else None, torch_rule=registry.torch_rule_kind(op),
         torch={k: base.get(k) for k in ("outputs", "total_bytes", "redistributions", "collectives", "error")},
-        example=source, notes=notes)
+        example=source, notes=notes, call=call, arguments=arguments)
 
 
 def explain(op: Any, *input_specs: Any, mesh: Any = "2x2", shapes: list | None = None,
-            args: tuple | None = None, kwargs: dict | None = None) -> Explanation:
+            args: tuple | None = None, kwargs: dict | None = None, **arguments: Any) -> Explanation:
     """Explain how DTensor runs ``op`` when its tensor inputs have ``input_specs`` (one per tensor input,
     in argument order: text like ``"S(0),R"`` or a sequence of Placements; missing ones are Replicate).
 
     ``mesh`` is a shape (``"2x2"``, ``(2, 2)``, ``"4"``) simulated on a fake process group, or a real
-    ``DeviceMesh`` (then every rank of it must call ``explain`` together).
+    ``DeviceMesh`` (then every rank of it must call ``explain`` together). The op's non-tensor arguments
+    are set by schema name, as keywords (``dim=0``) or ``kwargs={"dim": 0}``, over the case's values.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -369,6 +500,11 @@ def explain(op: Any, *input_specs: Any, mesh: Any = "2x2", shapes: list | None =
     from workbench.spmd.placements import format_placements, parse_placements
 
     op = resolve_op(op)
+    both = set(arguments) & set(kwargs or {})
+    if both:
+        raise ValueError(f"{', '.join(sorted(both))} given both as a keyword and in kwargs; give each once")
+    kwargs = {**(kwargs or {}), **arguments} or None
+    check_arguments(op, kwargs or {})
     specs_text = [s if isinstance(s, str) else format_placements(s) for s in input_specs]
     if isinstance(mesh, DeviceMesh):
         dense_args, dense_kwargs, source = example_args(op, shapes, args, kwargs)
@@ -377,16 +513,21 @@ def explain(op: Any, *input_specs: Any, mesh: Any = "2x2", shapes: list | None =
     for s in specs_text:  # fail fast, before any process group
         parse_placements(s, len(shape))
     if dist.is_initialized():
-        if args or kwargs:
-            raise ValueError("explain with args/kwargs needs no process group in this process; "
-                             "call it outside torchrun or pass mesh=<your DeviceMesh>")
-        return _explain_subprocess(op, specs_text, shape, shapes)
+        if args:
+            raise ValueError("explain with positional args needs no process group in this process; "
+                             "call it outside torchrun, pass mesh=<your DeviceMesh>, or set them by name")
+        return _explain_subprocess(op, specs_text, shape, shapes, kwargs)
     dense_args, dense_kwargs, source = example_args(op, shapes, args, kwargs)
     FakeStore = compat.get("FakeStore")
 
     world = 1
     for s in shape:
         world *= s
+    # DTensor warns "CPU process group does not support alltoall yet" on any CPU mesh; on a fake group its
+    # all-gather fallback is what gets counted, so the warning is no news (as in plan.simulate.fake_world).
+    redistribute_log = logging.getLogger("torch.distributed.tensor._collective_utils")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -395,14 +536,22 @@ def explain(op: Any, *input_specs: Any, mesh: Any = "2x2", shapes: list | None =
         return _explain_here(op, specs_text, mesh_obj, dense_args, dense_kwargs, source)
     finally:
         dist.destroy_process_group()
+        redistribute_log.setLevel(level)
 
 
-def _explain_subprocess(op: OpOverload, specs: list[str], shape: tuple, shapes: list | None) -> Explanation:
+def _explain_subprocess(op: OpOverload, specs: list[str], shape: tuple, shapes: list | None,
+                        kwargs: dict | None = None) -> Explanation:
     code = ("import json,sys; from workbench.spmd.explain import explain; "
             "a=json.loads(sys.argv[1]); "
-            "print(explain(a['op'], *a['specs'], mesh=tuple(a['mesh']), shapes=a['shapes']).to_json())")
+            "print(explain(a['op'], *a['specs'], mesh=tuple(a['mesh']), shapes=a['shapes'], "
+            "kwargs=a['kwargs']).to_json())")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    payload = json.dumps({"op": str(op), "specs": specs, "mesh": list(shape), "shapes": shapes})
+    try:
+        payload = json.dumps({"op": str(op), "specs": specs, "mesh": list(shape), "shapes": shapes,
+                              "kwargs": kwargs})
+    except TypeError:
+        raise ValueError("inside a process group explain runs in a subprocess and takes only JSON-like "
+                         f"argument values; got {kwargs}: pass mesh=<your DeviceMesh>") from None
     proc = subprocess.run([sys.executable, "-c", code, payload], capture_output=True, text=True, timeout=120, env=env)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["unknown error"])[-1]

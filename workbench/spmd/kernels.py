@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from workbench import kernels
+from workbench import compat, kernels
 from workbench.compat import (AsyncCollectiveTensor, DTensorSpec, TensorMeta, compute_local_shape_and_global_offset,
                               redistribute_local_tensor)
 from workbench.spmd.reductions import contiguous_stride
@@ -104,7 +104,7 @@ def _flat(args: Any) -> list:
 def _schema_args(op_call, args, kwargs) -> list:
     """The op's arguments in schema order, defaults filled in (DTensor passes what the caller passed)."""
     out = list(args)
-    for a in op_call._schema.arguments[len(args):]:
+    for a in compat.op_schema(op_call).arguments[len(args):]:
         if a.name in kwargs:
             out.append(kwargs[a.name])
         elif a.has_default_value():

@@ -218,6 +218,8 @@ def minmax_dim(op_call, args, kwargs):
     x, dim, keepdim = _minmax_dim_args(args, kwargs)
     if not isinstance(x, DTensor) or not plain_placements(x) or x.ndim == 0 or x.dtype.is_complex:
         return torch_dispatch(op_call, args, kwargs)
+    if not -x.ndim <= dim < x.ndim:  # torch's own error (dim out of range), not a wrapped-around answer
+        return torch_dispatch(op_call, args, kwargs)
     dim = dim % x.ndim
     x = drop_partial(x)
     mesh = x.device_mesh

@@ -12,7 +12,6 @@ import os
 import resource
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from workbench.memory.recorder import MemoryRecorder
 from workbench.memory.probe import PeakMemoryProbe
 from workbench.parallel.build import build_stages
 from workbench.train.data import make_dataset
+from workbench.train.group import init_group
 from workbench.train.events import EventWriter
 from workbench.train import flops
 from workbench.train.launcher import job_device
@@ -85,9 +85,8 @@ def train(job: JobConfig, run_dir: str) -> None:
     # Triton cannot run on this device fails here, with the reason, before any process group exists.
     kernels.set_backend(tcfg.kernels)
     kernels_resolved = kernels.resolve(tcfg.kernels, device)
-    timeout = timedelta(seconds=float(os.environ.get("WORKBENCH_PG_TIMEOUT_S", "120")))
     backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, timeout=timeout)
+    init_group(use_cuda)  # workbench.train.group: one line when a rank never joins
     if tcfg.spmd_rules:  # our DTensor sharding rules, in this job's processes only (recorded in config.json)
         from workbench import spmd
 

@@ -362,6 +362,10 @@ class CheckpointBrowser(widgets.VBox):
             stats = tensor_stats(self._tensor_source(), self.selected, bins=bins, log=self.stats_log.value)
         except (CheckpointFormatError, KeyError, ValueError) as e:  # ValueError: packed hyper-parameters (JSON)
             self.stats_html.value = f"<span style='color:#cf222e'>{html.escape(str(e))}</span>"
+            self.stats = None
+            with self.histogram.batch_update():  # no earlier tensor's histogram under this one's error
+                self.histogram.data = []
+                self.histogram.layout.title.text = f"{self.selected}: not read"
             raise
         hist = stats.pop("histogram")
         self.stats = stats

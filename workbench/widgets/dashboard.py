@@ -6,11 +6,16 @@ Launch button calls ``launch(...)`` with the control values, and a background th
 redraws::
 
     dash = RunDashboard(preset="tiny", nproc=2, dp_shard=2, steps=10)
-    dash                     # the widget: controls, progress, loss and tokens/s per rank, errors
+    dash                     # the widget: controls, progress, every step metric of every rank, errors
     dash.launch()            # what the Launch button does; returns the Run
     dash.wait()              # block until the run ends, still updating (for headless notebooks)
 
 Earlier runs stay in the plots, so layouts can be compared on one chart until "Clear" is pressed.
+Every metric of the step events gets a figure (``STEP_METRICS``): loss and step time per rank; tokens/s,
+gradient norm and learning rate, which every rank reports alike, once per run (rank 0's, "global").
+Three display controls redraw every run already drawn: an EMA smoothing slider (0 = raw; above it the
+smoothed line is drawn over a faint raw one, for the noisy measurements), a log-scale y toggle (loss,
+gradient norm, step time) and the x axis: step, or wall-clock seconds since the run's first event.
 The memory plot shows each rank's memory per step (:meth:`Run.memory_history`): the peak within the
 step from the ranks' ``memory`` events when the run records memory (``memory=True``), else the step
 events' own ``mem_bytes``; its title says which.
@@ -38,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import ipywidgets as widgets
+import pandas as pd
 import plotly.graph_objects as go
 
 from workbench.config import PRESETS, JobConfig, ParallelConfig, TrainConfig
@@ -45,7 +51,7 @@ from workbench.settings import split_settings
 from workbench.train.launcher import Run, build_job, launch, memory_shortfall
 from workbench.widgets.controls import read_controls, setting_controls
 from workbench.parallel.pipeline_bubble import pipeline_steps
-from workbench.widgets.plots import (RANK_DASHES, RUN_COLORS, export_pipeline_trace, plot_pipeline_timeline,
+from workbench.widgets.plots import (RANK_DASHES, RUN_COLORS, ema, export_pipeline_trace, plot_pipeline_timeline,
                                      plot_tokens_per_expert, run_label)
 
 # The training settings the dashboard shows controls for (every ParallelConfig setting gets one).
@@ -56,6 +62,31 @@ MEMORY_TITLES = {
     "peak_mem_bytes": "Memory per step: each rank's peak tensor bytes",
     "mem_bytes": "Memory per step: mem_bytes (memory=True records the peak within each step)",
 }
+
+
+@dataclass(frozen=True)
+class StepMetric:
+    """One figure: a field of the step events (a column of ``Run.history()``), by step or wall-clock time."""
+
+    column: str
+    title: str
+    ytitle: str  # says the unit, and whether the number is each rank's or the whole job's
+    per_rank: bool  # False: every rank reports the same number; drawn once per run, from rank 0
+    smooth: bool  # a noisy measurement: the smoothing control draws its EMA
+    log: bool  # the log-scale control applies
+
+
+STEP_METRICS = (
+    StepMetric("loss", "Loss per step", "loss", per_rank=True, smooth=True, log=True),
+    StepMetric("tokens_per_s", "Throughput per step (whole job)", "tokens/s (global)",
+               per_rank=False, smooth=True, log=False),
+    StepMetric("grad_norm", "Gradient norm per step (before clipping)", "grad L2 norm (global)",
+               per_rank=False, smooth=True, log=True),
+    StepMetric("lr", "Learning rate per step", "learning rate (global)", per_rank=False, smooth=False, log=False),
+    StepMetric("step_time_s", "Step time", "seconds per step (per rank)", per_rank=True, smooth=True, log=True),
+)
+SMOOTHED = frozenset(m.column for m in STEP_METRICS if m.smooth)
+X_AXES = {"step": "step", "time": "seconds since the run started (wall clock)"}
 
 
 def _human(n: int) -> str:
@@ -86,7 +117,8 @@ class _RunView:
     """What the dashboard draws for one run: the Run's history as last drawn, and the plot traces.
 
     Every fact comes from the :class:`Run` (``history()``, ``status``, ``root_cause()``); the view keeps
-    only how many of its events it has drawn (``seen``) and what is on screen.
+    only how many of its events it has drawn (``seen``), when its first event was written (``t0``, the
+    wall-clock axis's zero) and what is on screen.
     """
 
     run: Run
@@ -95,9 +127,10 @@ class _RunView:
     steps: int
     seen: int = 0  # events of the run already drawn
     history: dict[int, Any] = field(default_factory=dict)  # run.history() when last drawn
-    loss_traces: dict[int, Any] = field(default_factory=dict)
-    tps_traces: dict[int, Any] = field(default_factory=dict)
-    mem_traces: dict[int, Any] = field(default_factory=dict)
+    t0: float | None = None  # the `time` of the run's first event
+    shown: bool = True  # False once "Clear" removed it from the plots
+    traces: dict[tuple[str, int], Any] = field(default_factory=dict)  # (field or "memory", rank) -> raw line
+    smoothed: dict[tuple[str, int], Any] = field(default_factory=dict)  # its EMA, while smoothing is on
     eval_events: list[dict] = field(default_factory=list)  # embedding runs: rank 0's `eval` events
     eval_trace: Any = None
     pipeline_events: list[dict] = field(default_factory=list)  # `pipeline` + `schedule`, for the timeline
@@ -175,6 +208,9 @@ class RunDashboard:
             **self.train_controls,
         }
         c = self.controls
+        # Pipeline-only settings follow pp: disabled (and not applied) while pp == 1.
+        self.layout_controls["pp"].observe(lambda _: self._pipeline_controls(), names="value")
+        self._pipeline_controls()
         self.launch_button = widgets.Button(description="Launch", button_style="success", icon="play")
         self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
         self.clear_button = widgets.Button(description="Clear", icon="eraser",
@@ -186,12 +222,28 @@ class RunDashboard:
                                             style=style, layout=widgets.Layout(width="320px"))
         self.status = widgets.HTML("idle")
         self.error_panel = widgets.HTML("", layout=widgets.Layout(display="none", width="100%"))
-        self.loss_fig = self._figure("Loss per step", "loss")
-        self.tps_fig = self._figure("Throughput per step (whole job)", "tokens/s (global)")
+        self.metric_figs = {m.column: self._figure(m.title, m.ytitle) for m in STEP_METRICS}
+        self.loss_fig, self.tps_fig = self.metric_figs["loss"], self.metric_figs["tokens_per_s"]
+        self.grad_norm_fig, self.lr_fig = self.metric_figs["grad_norm"], self.metric_figs["lr"]
+        self.step_time_fig = self.metric_figs["step_time_s"]
+        self.lr_fig.layout.yaxis.exponentformat = "e"  # 3e-4, not plotly's SI "300µ"
         self.memory_fig = self._figure("Memory per step", "MiB per rank")
         self.accuracy_fig = self._figure("Held-out top-1 retrieval", "accuracy")
         self.accuracy_fig.layout.yaxis.range = [0, 1]
         self.accuracy_box = widgets.VBox([self.accuracy_fig], layout=widgets.Layout(display="none"))
+        # How the metric figures draw every run: they redraw what is on screen, nothing is relaunched.
+        self.smoothing = widgets.FloatSlider(
+            value=0.0, min=0.0, max=0.99, step=0.01, readout_format=".2f", continuous_update=False,
+            description="smoothing (EMA)", style=style, layout=widgets.Layout(width="320px"),
+            tooltip="0: raw; w > 0 draws s_t = w s_(t-1) + (1-w) x_t over a faint raw line "
+                    "(loss, tokens/s, grad norm, step time)")
+        self.log_y = widgets.Checkbox(value=False, description="log y (loss, grad norm, step time)", indent=False,
+                                      layout=widgets.Layout(width="260px"))
+        self.x_axis = widgets.ToggleButtons(options=[("step", "step"), ("wall-clock s", "time")], value="step",
+                                            description="x axis", style=style,
+                                            tooltips=["training step", X_AXES["time"]])
+        for control in (self.smoothing, self.log_y, self.x_axis):
+            control.observe(self._apply_display, names="value")
         # Shown only for the runs that write their events: pipeline (pp > 1) and mixture-of-experts runs.
         self.bubble_label = widgets.HTML("")
         self.timeline_fig = go.FigureWidget(layout={"height": 260, "width": 1040, "title": "Pipeline timeline"})
@@ -217,8 +269,9 @@ class RunDashboard:
             widgets.HBox([c["nproc"], *self.layout_controls.values()], layout=wrap),
             widgets.HBox([self.launch_button, self.stop_button, self.clear_button, self.progress, self.status]),
             self.error_panel,
-            widgets.HBox([self.loss_fig, self.tps_fig, self.memory_fig, self.accuracy_box],
-                         layout=widgets.Layout(flex_flow="row wrap")),
+            widgets.HBox([self.smoothing, self.log_y, self.x_axis], layout=wrap),
+            widgets.HBox([self.loss_fig, self.tps_fig, self.memory_fig, self.grad_norm_fig, self.lr_fig,
+                          self.step_time_fig, self.accuracy_box], layout=wrap),
             self.timeline_box,
             self.experts_box,
         ])
@@ -231,6 +284,15 @@ class RunDashboard:
             raise ValueError("no run yet; launch one with pp > 1 to get a pipeline schedule")
         path = Path(path) if path is not None else self.run.run_dir / "pipeline_trace.json"
         return export_pipeline_trace(self.run, path, step=step)
+
+    def _pipeline_controls(self) -> None:
+        off = self.layout_controls["pp"].value == 1
+        for name in ("pp_schedule", "microbatches"):
+            control = self.layout_controls.get(name)
+            if control is not None:
+                control.disabled = off
+                tip = (control.tooltip or "").removesuffix(" (applies when pp > 1)")
+                control.tooltip = tip + (" (applies when pp > 1)" if off else "")
 
     def _export_trace_clicked(self) -> None:
         try:
@@ -273,6 +335,8 @@ class RunDashboard:
         out = {"model": self.controls["preset"].value, "nproc": self.controls["nproc"].value,
                **read_controls(self.layout_controls, "parallel"),
                **self._fixed_train, **read_controls(self.train_controls, "train")}
+        if out.get("pp") == 1 and "microbatches" in out:  # its control is disabled: it does not apply
+            out["microbatches"] = None
         if self.controls["task"].value == "embedding":
             from workbench.embedding import embedding_task
 
@@ -296,7 +360,10 @@ class RunDashboard:
             job = build(model, **{k: v for k, v in settings.items() if k != "task"})
         except ValueError as exc:
             self._show_error("Invalid configuration", str(exc))
-            self.status.value = "not launched"
+            # The bar and the plots below still show the last run that did start: say so, in red.
+            shown = f"; the plots show {html.escape(self._views[-1].label)}" if self._views else ""
+            self.status.value = f"<span style='color:#d62728'>not launched: invalid configuration{shown}</span>"
+            self.progress.bar_style = ""
             return None
         out = None
         if self.out_root is not None:
@@ -309,13 +376,10 @@ class RunDashboard:
         view = _RunView(run=run, label=f"#{index} {run_label(run)} ({run.run_dir.name})", color=RUN_COLORS[index % len(RUN_COLORS)],
                         steps=job.train.steps)
         with self._lock:
-            # Earlier runs become wide, faint bands, so a new curve that lands on one stays visible.
-            for earlier in self._views:
-                for trace in (*earlier.loss_traces.values(), *earlier.tps_traces.values(),
-                              *earlier.mem_traces.values(), *([earlier.eval_trace] if earlier.eval_trace is not None else [])):
-                    trace.line.width, trace.opacity = 6, 0.35
             self.runs.append(run)
             self._views.append(view)
+            for earlier in self._views[:-1]:  # now wide, faint bands (_restyle)
+                self._restyle(earlier)
             self._hide_error()
             self.progress.max, self.progress.value, self.progress.bar_style = view.steps, 0, ""
             self.status.value = self._progress_text(view)
@@ -379,16 +443,15 @@ class RunDashboard:
             keep = [v for v in self._views if not v.finished.is_set()]
             for v in self._views:
                 if v not in keep:
-                    v.loss_traces.clear()
-                    v.tps_traces.clear()
-                    v.mem_traces.clear()
+                    v.traces.clear()
+                    v.smoothed.clear()
                     v.eval_trace = None
+                    v.shown = False
             kept_evals = [v.eval_trace for v in keep if v.eval_trace is not None]
             self.accuracy_fig.data = [t for t in self.accuracy_fig.data
                                       if any(t is k for k in kept_evals) or (kept_evals and t.name == "chance")]
-            for fig, attr in ((self.loss_fig, "loss_traces"), (self.tps_fig, "tps_traces"),
-                              (self.memory_fig, "mem_traces")):
-                kept = [t for v in keep for t in getattr(v, attr).values()]
+            kept = [t for v in keep for t in (*v.traces.values(), *v.smoothed.values())]
+            for fig in (*self.metric_figs.values(), self.memory_fig):
                 fig.data = [t for t in fig.data if any(t is k for k in kept)]
 
     # -- following a run --------------------------------------------------------------------------
@@ -413,6 +476,8 @@ class RunDashboard:
             done = view.run.done  # checked before reading, so a finished run's last events are drained
             events = view.run.events_since(view.seen)
             view.seen += len(events)
+            if view.t0 is None and events:
+                view.t0 = events[0].get("time")
             touched: set[int] = set()
             memory_touched: set[int] = set()
             new_kinds: set[str] = set()
@@ -447,43 +512,78 @@ class RunDashboard:
             if done:
                 self._finish(view)
 
-    def _redraw(self, view: _RunView, ranks: set[int]) -> None:
-        # tokens/s in a step event is the whole job's (every rank reports the same number): one line per run.
-        for fig, key, traces, drawn in ((self.loss_fig, "loss", view.loss_traces, ranks),
-                                        (self.tps_fig, "tokens_per_s", view.tps_traces, ranks & {0})):
-            with fig.batch_update():
-                for rank in sorted(drawn):
-                    h = view.history[rank]
-                    if rank not in traces:
-                        fig.add_scatter(
-                            mode="lines+markers", legendgroup=view.label,
-                            name=view.label if fig is self.tps_fig else f"{view.label} r{rank}",
-                            line={"color": view.color, "dash": RANK_DASHES[rank % len(RANK_DASHES)]},
-                            marker={"size": 4},
-                        )
-                        traces[rank] = fig.data[-1]
-                    traces[rank].x = tuple(h["step"].tolist())
-                    traces[rank].y = tuple(h[key].tolist())
+    # -- drawing a run's metrics ------------------------------------------------------------------
+    def _x(self, view: _RunView, frame: Any) -> tuple:
+        """The x values of a frame's rows (``step`` and ``time`` columns) on the chosen x axis."""
+        if self.x_axis.value == "time":
+            time_ = pd.to_numeric(frame["time"], errors="coerce")  # a row without a time is not drawn
+            t0 = view.t0 if view.t0 is not None else time_.min()
+            return tuple((time_ - t0).tolist())
+        return tuple(frame["step"].tolist())
 
-    def _redraw_memory(self, view: _RunView, ranks: set[int]) -> None:
+    def _line(self, view: _RunView, fig: go.FigureWidget, key: tuple[str, int], name: str,
+              smoothed: bool = False, **kwargs: Any) -> Any:
+        """The trace of ``key`` (its EMA if ``smoothed``) in ``fig``, added and styled the first time."""
+        lines = view.smoothed if smoothed else view.traces
+        if key not in lines:
+            rank = key[1]
+            fig.add_scatter(mode="lines" if smoothed else "lines+markers", legendgroup=view.label,
+                            name=f"{name} (EMA)" if smoothed else name, showlegend=not smoothed,
+                            line={"color": view.color, "dash": RANK_DASHES[rank % len(RANK_DASHES)]},
+                            marker={"size": 4}, **kwargs)
+            lines[key] = fig.data[-1]
+            self._style(view, key, lines[key], smoothed)
+        return lines[key]
+
+    def _style(self, view: _RunView, key: tuple[str, int], trace: Any, smoothed: bool) -> None:
+        """The latest run in full; earlier runs as wide, faint bands, so a new curve that lands on one stays
+        visible. While smoothing is on, a smoothed metric's raw line is fainter still, under its EMA."""
+        latest = view is self._views[-1]
+        faint = not smoothed and key[0] in SMOOTHED and self.smoothing.value > 0
+        trace.line.width = 2 if latest else 6
+        trace.opacity = (1.0 if latest else 0.35) * (0.25 if faint else 1.0)
+
+    def _restyle(self, view: _RunView) -> None:
+        for key, trace in view.traces.items():
+            self._style(view, key, trace, smoothed=False)
+        for key, trace in view.smoothed.items():
+            self._style(view, key, trace, smoothed=True)
+        if view.eval_trace is not None:
+            self._style(view, ("eval", 0), view.eval_trace, smoothed=False)
+
+    def _redraw(self, view: _RunView, ranks: set[int]) -> None:
+        """Every step metric of ``ranks`` (the whole job's metrics from rank 0 only) from ``view.history``."""
+        weight = self.smoothing.value
+        for metric in STEP_METRICS:
+            fig = self.metric_figs[metric.column]
+            with fig.batch_update():
+                for rank in sorted(ranks if metric.per_rank else ranks & {0}):
+                    h = view.history.get(rank)
+                    if h is None or metric.column not in h.columns:  # e.g. a run written before the field was
+                        continue
+                    key = (metric.column, rank)
+                    name = f"{view.label} r{rank}" if metric.per_rank else view.label
+                    x, y = self._x(view, h), h[metric.column].tolist()
+                    raw = self._line(view, fig, key, name)
+                    raw.x, raw.y = x, tuple(y)
+                    if weight > 0 and metric.smooth:
+                        line = self._line(view, fig, key, name, smoothed=True)
+                        line.x, line.y = x, tuple(ema(y, weight))
+
+    def _redraw_memory(self, view: _RunView, ranks: set[int] | None = None) -> None:
         """Each rank's memory per step, from ``Run.memory_history`` (its ``source`` names the title)."""
         memory = view.run.memory_history()
         if memory.empty:
             return
+        drawn = memory if ranks is None else memory[memory["rank"].isin(ranks)]
         with self.memory_fig.batch_update():
-            for rank, h in memory[memory["rank"].isin(ranks)].groupby("rank"):
-                rank = int(rank)
-                if rank not in view.mem_traces:
-                    self.memory_fig.add_scatter(
-                        mode="lines+markers", name=f"{view.label} r{rank}", legendgroup=view.label,
-                        line={"color": view.color, "dash": RANK_DASHES[rank % len(RANK_DASHES)]},
-                        marker={"size": 4}, hovertemplate="step %{x}: %{y:.1f} MiB (%{text})<extra></extra>",
-                    )
-                    view.mem_traces[rank] = self.memory_fig.data[-1]
-                trace = view.mem_traces[rank]
-                trace.x = tuple(h["step"].tolist())
+            for rank, h in drawn.groupby("rank"):
+                trace = self._line(view, self.memory_fig, ("memory", int(rank)), f"{view.label} r{int(rank)}",
+                                   hovertemplate="step %{customdata}: %{y:.1f} MiB (%{text})<extra></extra>")
+                trace.x = self._x(view, h)
                 trace.y = tuple((h["peak_bytes"] / 2**20).tolist())
                 trace.text = tuple(h["source"].tolist())
+                trace.customdata = tuple(h["step"].tolist())
             if view is self._views[-1]:
                 sources = set(memory["source"])
                 source = "memory" if "memory" in sources else memory["source"].iloc[-1]
@@ -491,18 +591,51 @@ class RunDashboard:
 
     def _redraw_accuracy(self, view: _RunView) -> None:
         """An embedding run's held-out top-1 retrieval by step, and chance (1 / candidates) as a dotted line."""
-        steps = [e["step"] for e in view.eval_events]
+        frame = pd.DataFrame({"step": [e["step"] for e in view.eval_events],
+                              "time": [e.get("time", float("nan")) for e in view.eval_events]})
         accs = [e["retrieval_accuracy"] for e in view.eval_events]
         with self.accuracy_fig.batch_update():
             if view.eval_trace is None:
                 self.accuracy_fig.add_scatter(mode="lines+markers", name=f"{view.label}", legendgroup=view.label,
                                               line={"color": view.color}, marker={"size": 6})
                 view.eval_trace = self.accuracy_fig.data[-1]
+                self._style(view, ("eval", 0), view.eval_trace, smoothed=False)
                 chance = view.eval_events[0]["chance"]
                 if not any(t.name == "chance" for t in self.accuracy_fig.data):
                     self.accuracy_fig.add_scatter(x=[0, view.steps], y=[chance, chance], mode="lines", name="chance",
                                                   line={"color": "#888", "dash": "dot"})
-            view.eval_trace.x, view.eval_trace.y = tuple(steps), tuple(accs)
+            view.eval_trace.x, view.eval_trace.y = self._x(view, frame), tuple(accs)
+            # chance spans the runs' x range: their steps, or their seconds on the wall-clock axis
+            chance = next(t for t in self.accuracy_fig.data if t.name == "chance")
+            shown = [v for v in self._views if v.eval_trace is not None]
+            end = (max(max(v.eval_trace.x, default=0) for v in shown) if self.x_axis.value == "time"
+                   else max(v.steps for v in shown))
+            chance.x = (0, end)
+
+    def _apply_display(self, _change: Any = None) -> None:
+        """The display controls' callback: axis type and title, then every shown run redrawn in place."""
+        with self._lock:
+            for fig in (*self.metric_figs.values(), self.memory_fig, self.accuracy_fig):
+                fig.layout.xaxis.title.text = X_AXES[self.x_axis.value]
+            for metric in STEP_METRICS:
+                if metric.log:
+                    self.metric_figs[metric.column].layout.yaxis.type = "log" if self.log_y.value else "linear"
+            if self.smoothing.value == 0:  # raw again: the EMA lines go
+                gone = [t for v in self._views for t in v.smoothed.values()]
+                for fig in self.metric_figs.values():
+                    fig.data = [t for t in fig.data if not any(t is g for g in gone)]
+                for v in self._views:
+                    v.smoothed.clear()
+            for view in self._views:
+                if not view.shown:
+                    continue
+                if view.history:
+                    self._redraw(view, set(view.history))
+                if view.traces:
+                    self._redraw_memory(view)
+                if view.eval_events:
+                    self._redraw_accuracy(view)
+                self._restyle(view)
 
     def _redraw_timeline(self, view: _RunView) -> None:
         """Show the latest step every pipeline rank has reported (step 0, warm-up, only until step 1)."""
@@ -530,7 +663,7 @@ class RunDashboard:
         vm = f"{v}·{m}" if v > 1 else f"{m}"
         where = "median over steps" if meta["step"] == "median" else f"at step {meta['step']}"
         self.bubble_label.value = (
-            f"<b>bubble</b> {where}: measured <b>{meta['bubble_measured']:.1%}</b> "
+            f"{html.escape(view.label)}: <b>bubble</b> {where}: measured <b>{meta['bubble_measured']:.1%}</b> "
             f"vs theory (p−1)/({'v·' if v > 1 else ''}m+p−1) = {p - 1}/({vm}+{p - 1}) = "
             f"<b>{meta['bubble_theory']:.1%}</b> (p={p}, m={m}{f', v={v}' if v > 1 else ''})")
 

@@ -49,7 +49,7 @@ from plotly.subplots import make_subplots
 from workbench.kinds import KIND_COLORS
 from workbench.memory.comparison import MemoryComparison, matching_rank, matching_step
 from workbench.memory.timeline import CATEGORIES, PHASES, MemoryTimeline, Peak
-from workbench.units import BYTE_UNITS, format_bytes
+from workbench.units import axis_unit, format_bytes
 
 # One colour per category, in every memory plot; the state a sharding plan also shows keeps its colour.
 CATEGORY_COLORS = {"parameter": KIND_COLORS["parameter"], "gradient": KIND_COLORS["gradient"],
@@ -64,12 +64,8 @@ TABLE_ROWS = 10
 assert set(CATEGORY_COLORS) == set(CATEGORIES) and set(PHASE_COLORS) == set(PHASES)
 
 
-def byte_unit(n: float) -> tuple[str, int]:
-    """The binary unit a plot of values up to ``n`` bytes reads best in: ``(name, bytes per unit)``."""
-    for i, unit in enumerate(BYTE_UNITS):
-        if abs(n) < 1024 ** (i + 1) or unit == BYTE_UNITS[-1]:
-            return unit, 1024 ** i
-    raise AssertionError("unreachable")
+# The axis unit: workbench.units.axis_unit (one rule for every view's byte axes).
+byte_unit = axis_unit
 
 
 class MemoryTimelineView:

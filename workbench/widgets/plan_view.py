@@ -63,7 +63,7 @@ from workbench.kinds import KIND_COLORS, STATE_KINDS
 from workbench.units import parse_bytes
 from workbench.memory.timeline import CATEGORIES as MEMORY_CATEGORIES
 from workbench.plan.types import group_blocks
-from workbench.units import format_bytes
+from workbench.units import axis_unit, format_bytes
 from workbench.widgets.memory_view import CATEGORY_COLORS as MEMORY_COLORS
 
 CATEGORIES = STATE_KINDS
@@ -85,6 +85,7 @@ ABSENT_PATTERN = "."  # unlike "/" (replicated) and "x" (partial): holding nothi
 BLOCKS_CACHE = 64  # tensors whose blocks the view keeps, so going back and forth is instant
 LABEL_BLOCKS_MAX = 16  # at most this many blocks are labelled (evenly spaced); the rest say who in the hover
 TENSOR_POLYGONS_MAX = 1024  # above this many blocks the tensor is drawn as a raster of block indices
+AREA_ABOVE_RANKS = 256  # above this many ranks, bytes per rank are stacked step areas rather than one bar per rank
 TENSOR_RASTER = 256  # cells per side of that raster
 MESH_X_MAX = 64  # mesh cells drawn across; more ranks than this share a cell (aggregated)
 MESH_Y_MAX = 16  # mesh cells drawn down
@@ -99,6 +100,13 @@ def _ints(v: Any) -> tuple[int, ...] | None:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return None
     return tuple(int(x) for x in v)
+
+
+def _with_gaps(z: np.ndarray) -> list:
+    """A heatmap's cells as nested lists with None where ``z`` is NaN (a gap). A 2-D array goes to the browser
+    as JSON, which has no NaN: the kernel would warn ("Out of range float values are not JSON compliant")
+    into the notebook under the view."""
+    return np.where(np.isnan(z), None, z).tolist()
 
 
 def _rank_ranges(ranks: list[int]) -> str:
@@ -353,15 +361,16 @@ class ShardingPlanView:
     def _draw_predicted(self, timeline: Any, budget_bytes: int | None) -> None:
         device, peaks = self._predicted
         ranks = peaks.index.to_numpy()
+        unit, scale = self.bytes_unit
         budget = [] if budget_bytes is None else [dict(
-            type="scatter", x=[-0.5, self.world_size - 0.5], y=[budget_bytes / 2**30] * 2, mode="lines",
+            type="scatter", x=[-0.5, self.world_size - 0.5], y=[budget_bytes / scale] * 2, mode="lines",
             name=f"budget {format_bytes(budget_bytes)}", line={"color": BUDGET_COLOR, "dash": "dash", "width": 2},
             hovertemplate=f"budget {format_bytes(budget_bytes)}<extra></extra>", meta={"role": "budget"})]
         with self.bytes_fig.batch_update():
             self.bytes_fig.data = [t for t in self.bytes_fig.data
                                    if (t.meta or {}).get("role") not in ("predicted", "budget")]
             self.bytes_fig.add_traces([dict(
-                type="scatter", x=ranks.tolist(), y=(peaks.to_numpy() / 2**30).tolist(),
+                type="scatter", x=ranks.tolist(), y=(peaks.to_numpy() / scale).tolist(),
                 mode="lines+markers" if self.world_size <= 64 else "lines", line={"shape": "hvh", "width": 2,
                                                                                    "color": PREDICTED_COLOR},
                 marker={"size": 6}, name=f"predicted peak ({device}, activations included)",
@@ -379,21 +388,23 @@ class ShardingPlanView:
                  f"{_rank_ranges(sorted(stands_for.get(r, [r])))}"
                  for r, b, ph, st in zip(table["rank"].tolist(), table["peak_bytes"].tolist(),
                                          table["phase"].tolist(), table["step"].tolist())]
-        traces = [dict(type="bar", x=labels, y=(table[c].to_numpy() / 2**30).tolist(), name=c,
+        munit, mscale = axis_unit(max(int(table["peak_bytes"].max()), budget_bytes or 0))
+        traces = [dict(type="bar", x=labels, y=(table[c].to_numpy() / mscale).tolist(), name=c,
                        marker={"color": MEMORY_COLORS[c], "line": {"width": 0}}, hovertext=hover,
-                       hovertemplate=f"%{{hovertext}}<br>{c}: %{{y:.3f}} GiB<extra></extra>", meta={"role": c})
+                       hovertemplate=f"%{{hovertext}}<br>{c}: %{{y:.3f}} {munit}<extra></extra>", meta={"role": c})
                   for c in MEMORY_CATEGORIES if table[c].any()]
         line = [] if budget_bytes is None else [{  # across the whole plot, however few bars
-            "type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": "y", "y0": budget_bytes / 2**30,
-            "y1": budget_bytes / 2**30, "line": {"color": BUDGET_COLOR, "dash": "dash", "width": 2}}]
+            "type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": "y", "y0": budget_bytes / mscale,
+            "y1": budget_bytes / mscale, "line": {"color": BUDGET_COLOR, "dash": "dash", "width": 2}}]
         note = [] if budget_bytes is None else [{
-            "xref": "paper", "x": 1, "xanchor": "right", "yref": "y", "y": budget_bytes / 2**30, "yanchor": "bottom",
+            "xref": "paper", "x": 1, "xanchor": "right", "yref": "y", "y": budget_bytes / mscale, "yanchor": "bottom",
             "text": f"budget {format_bytes(budget_bytes)}", "showarrow": False, "font": {"color": BUDGET_COLOR}}]
         with self.memory_fig.batch_update():
             self.memory_fig.data = ()
             self.memory_fig.add_traces(traces)
             self.memory_fig.layout.shapes = line
             self.memory_fig.layout.annotations = note
+            self.memory_fig.layout.yaxis.title.text = munit
             self.memory_fig.layout.title = {
                 "text": f"Predicted peak of each distinct rank by category ({device}; {len(table)} distinct of "
                         f"{self.world_size:,} ranks)", "font": {"size": 13}}
@@ -608,7 +619,7 @@ class ShardingPlanView:
                         "x": cx, "y": cy, "owner": owner}
         text = np.where(np.isfinite(z), np.char.add("block ", np.nan_to_num(z, nan=-1).astype(np.int64).astype(str)),
                         "")
-        return [dict(type="heatmap", z=z, x=cx, y=cy if ydim is not None else [0.5], text=text,
+        return [dict(type="heatmap", z=_with_gaps(z), x=cx, y=cy if ydim is not None else [0.5], text=text,
                      colorscale=BLOCK_COLORSCALE, zmin=0, zmax=cmax, showscale=True, colorbar=colorbar,
                      customdata=owner, hovertemplate="%{text} (first held by rank %{customdata})<extra></extra>",
                      meta={"role": "raster"})]
@@ -711,7 +722,7 @@ class ShardingPlanView:
 
         for f in range(rows):
             fig.add_trace(go.Heatmap(
-                z=np.full((nyb, nxb), np.nan), x=list(range(nxb)), y=list(range(nyb)), customdata=self._grid[f],
+                z=_with_gaps(np.full((nyb, nxb), np.nan)), x=list(range(nxb)), y=list(range(nyb)), customdata=self._grid[f],
                 colorscale=BLOCK_COLORSCALE, zmin=0, zmax=1, showscale=f == 0, xgap=1 if nxb <= 64 else 0,
                 ygap=1 if nyb <= 32 else 0, hoverinfo="text", meta={"facet": f, "role": "mesh"},
                 colorbar={"title": {"text": "block", "side": "right"}, "thickness": 10, "len": 0.8,
@@ -838,7 +849,7 @@ class ShardingPlanView:
         with self.mesh_fig.batch_update():
             meshes = [tr for tr in self.mesh_fig.data if (tr.meta or {}).get("role") == "mesh"]
             for f, trace in enumerate(meshes):
-                trace.z = cell_z[f]
+                trace.z = _with_gaps(cell_z[f])
                 trace.text = text[f]
                 trace.zmax = cmax
             self.mesh_fig.data = tuple(meshes)
@@ -870,17 +881,26 @@ class ShardingPlanView:
         ranks = list(range(self.world_size))
         fig = FigureWidget()
         distinct = len(rb[list(c for c in CATEGORIES if c in rb.columns)].drop_duplicates())
+        # The axis unit follows the largest rank's total: MiB for a tiny model, GiB for a 70B one.
+        self.bytes_unit = unit, scale = axis_unit(rb["total"].max() if "total" in rb.columns else 0)
         with fig.batch_update():
             for cat in CATEGORIES:
-                if cat in rb.columns:
-                    fig.add_bar(x=ranks, y=(rb[cat].to_numpy() / 2**30).tolist(), name=cat,
-                                marker={"color": CATEGORY_COLORS[cat], "line": {"width": 0}},
-                                hovertemplate=f"rank %{{x}}<br>{cat}: %{{y:.3f}} GiB<extra></extra>")
+                if cat not in rb.columns:
+                    continue
+                y = (rb[cat].to_numpy() / scale).tolist()
+                hover = f"rank %{{x}}<br>{cat}: %{{y:.3f}} {unit}<extra></extra>"
+                if self.world_size <= AREA_ABOVE_RANKS:
+                    fig.add_bar(x=ranks, y=y, name=cat, marker={"color": CATEGORY_COLORS[cat], "line": {"width": 0}},
+                                hovertemplate=hover)
+                else:  # thousands of bars are thousands of SVG paths: one stacked step area per category
+                    fig.add_scatter(x=ranks, y=y, name=cat, mode="lines", stackgroup="bytes",
+                                    line={"color": CATEGORY_COLORS[cat], "width": 0, "shape": "hvh"},
+                                    fillcolor=CATEGORY_COLORS[cat], hovertemplate=hover)
             fig.update_layout(
                 barmode="stack", bargap=0 if self.world_size > 64 else 0.15, height=300, width=1080,
                 title={"text": f"Bytes per rank by category ({distinct} distinct pattern(s) over "
                                f"{self.world_size:,} ranks)", "font": {"size": 13}},
-                xaxis={"title": "rank"}, yaxis={"title": "GiB"}, margin={"l": 60, "r": 10, "t": 50, "b": 40},
+                xaxis={"title": "rank"}, yaxis={"title": unit}, margin={"l": 60, "r": 10, "t": 50, "b": 40},
                 legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right"})
         return fig
 

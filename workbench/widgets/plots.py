@@ -1,9 +1,10 @@
 """Plotly figures over runs, drawn from their events.
 
 * ``plot_losses(run_1proc, run_fsdp, run_tp)``: same model, seed and global batch trace the same curve.
-* ``plot_pipeline_timeline(run)``: one pipeline step, stage x time, a bar per measured forward (F) and
-  backward (B), coloured by microbatch; the title compares the measured bubble with (p-1)/(m+p-1).
+* ``plot_pipeline_timeline(run)``: one pipeline step, rank x time, a bar per measured forward (F) and
+  backward (B), coloured by microbatch (an interleaved rank's later stages lighter); the title compares the measured bubble with (p-1)/(m+p-1).
 * ``pipeline_trace(run)`` / ``export_pipeline_trace(run, path)``: that schedule as a Chrome/Perfetto trace.
+* ``ema(values, weight)``: the smoothing the dashboard's EMA slider draws.
 * ``plot_tokens_per_expert(run)``: how a mixture-of-experts router spread the tokens, per layer.
 
 Each takes a :class:`Run` or a list of events (``read_events(run_dir)``, or made by hand).
@@ -12,6 +13,7 @@ Each takes a :class:`Run` or a list of events (``read_events(run_dir)``, or made
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -52,6 +54,23 @@ def plot_losses(*runs: Run, rank: int = 0, title: str = "Loss per step") -> go.F
     return fig
 
 
+def ema(values: Iterable[float | None], weight: float) -> list[float | None]:
+    """Exponential moving average, TensorBoard's smoothing: ``s_0 = x_0``, ``s_t = w s_(t-1) + (1-w) x_t``.
+
+    ``weight`` 0 returns the values; closer to 1 is smoother. A missing or non-finite value leaves the
+    average where it was (and is drawn at it), so one NaN does not blank the rest of the curve.
+    """
+    if not 0 <= weight < 1:
+        raise ValueError(f"smoothing weight={weight} is outside [0, 1); 0 is raw, 0.9 is smooth")
+    out: list[float | None] = []
+    s = None
+    for x in values:
+        if x is not None and math.isfinite(x):
+            s = x if s is None else weight * s + (1 - weight) * x
+        out.append(s)
+    return out
+
+
 def _events(run_or_events: Run | Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(run_or_events, Run):
         return read_events(run_or_events.run_dir)
@@ -63,6 +82,14 @@ PHASE_STYLE = {  # forward solid, backward hatched and lighter: the colour still
     "F": {"opacity": 1.0, "marker_pattern_shape": ""},
     "B": {"opacity": 0.7, "marker_pattern_shape": "/"},
 }
+
+
+def _lighter(color: str, amount: float) -> str:
+    """``color`` (``#rrggbb``) mixed with white: ``amount`` 0 leaves it, 1 is white."""
+    if amount <= 0:
+        return color
+    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    return "#" + "".join(f"{round(c + (255 - c) * amount):02x}" for c in (r, g, b))
 
 
 def _median_step(events: list[dict[str, Any]]) -> tuple[Any, float]:
@@ -84,12 +111,15 @@ def _median_step(events: list[dict[str, Any]]) -> tuple[Any, float]:
 
 def plot_pipeline_timeline(run_or_events: Run | Iterable[dict[str, Any]],
                            step: int | str | None = None) -> go.Figure:
-    """One pipeline step as a Gantt chart: a row per stage (and its rank), time in ms from the step start.
+    """One pipeline step as a Gantt chart: a row per rank (labelled with its stages), time in ms from the
+    step start.
 
     Each measured action is one horizontal bar, F solid and B hatched, coloured by microbatch; hovering
-    shows stage, rank, microbatch, phase and duration. White space in a row is that rank's bubble. The
-    title gives the step's measured bubble (``bubble_fraction``) against the theory for equal stages,
-    (p-1)/(v m+p-1). ``fig.layout.meta`` holds those numbers (``step``, ``bubble_measured``,
+    shows stage, rank, microbatch, phase and duration. Under an interleaved schedule (v stages per rank,
+    e.g. stages r and r+p) the rank's later stages are lighter shades of the microbatch's colour and the
+    bars say their stage (``F3 s2``), so its chunks stay apart on the one row. White space in a row is
+    that rank's bubble. The title gives the step's measured bubble (``bubble_fraction``) against the
+    theory for equal stages, (p-1)/(v m+p-1). ``fig.layout.meta`` holds those numbers (``step``, ``bubble_measured``,
     ``bubble_theory``, ``pp``, ``microbatches``, ``stages_per_rank``, ``schedule``).
     ``step="median"``: each action's median start and end (from its step's start) over the steady steps,
     which a single noisy step can't show.
@@ -109,33 +139,45 @@ def plot_pipeline_timeline(run_or_events: Run | Iterable[dict[str, Any]],
     t0 = frame["start"].min()  # ranks share one clock on one host; across hosts, clock skew shows here
     frame = frame.assign(start_ms=(frame["start"] - t0) * 1e3, end_ms=(frame["end"] - t0) * 1e3)
     frame["ms"] = frame["end_ms"] - frame["start_ms"]
-    frame["row"] = [f"stage {s} · rank {r}" for s, r in zip(frame["stage"], frame["rank"])]
-    rows = [f"stage {s} · rank {r}" for s, r in sorted(set(zip(frame["stage"], frame["rank"])))]
+    # One row per rank. An interleaved rank runs v stages ("chunks", e.g. stages r and r+p): its chunk
+    # is the stage's place among the rank's stages, drawn as a lighter shade of the microbatch's colour.
+    stages = {int(r): sorted(int(s) for s in g.unique()) for r, g in frame.groupby("rank")["stage"]}
+    labels = {r: f"stage{'s' if len(ss) > 1 else ''} {', '.join(map(str, ss))} · rank {r}"
+              for r, ss in stages.items()}
+    frame["row"] = [labels[int(r)] for r in frame["rank"]]
+    frame["chunk"] = [stages[int(r)].index(int(s)) for r, s in zip(frame["rank"], frame["stage"])]
+    rows = [labels[r] for r in sorted(stages, key=lambda r: (stages[r], r))]
 
     fig = go.Figure()
-    for (mb, phase), bars in frame.sort_values(["microbatch", "phase"], ascending=[True, False]).groupby(
-            ["microbatch", "phase"], sort=False):
+    for (mb, chunk, phase), bars in frame.sort_values(["microbatch", "chunk", "phase"],
+                                                      ascending=[True, True, False]).groupby(
+            ["microbatch", "chunk", "phase"], sort=False):
         fig.add_bar(
             orientation="h", y=bars["row"].tolist(), base=bars["start_ms"].tolist(), x=bars["ms"].tolist(),
-            name=f"microbatch {mb}", legendgroup=f"mb{mb}", showlegend=phase == "F",
-            marker_color=MICROBATCH_COLORS[int(mb) % len(MICROBATCH_COLORS)], marker_line_width=0.5,
-            marker_line_color="white", text=[f"{phase}{mb}"] * len(bars), textposition="inside",
+            name=f"microbatch {mb}", legendgroup=f"mb{mb}", showlegend=phase == "F" and chunk == 0,
+            marker_color=_lighter(MICROBATCH_COLORS[int(mb) % len(MICROBATCH_COLORS)], 0.8 * chunk / v),
+            marker_line_width=0.5, marker_line_color="white",
+            text=[f"{phase}{mb}" + (f" s{s}" if v > 1 else "") for s in bars["stage"]], textposition="inside",
             insidetextanchor="middle", width=0.7,
-            customdata=bars[["stage", "rank", "microbatch", "phase", "ms", "start_ms", "end_ms"]].values.tolist(),
-            hovertemplate=("stage %{customdata[0]} (rank %{customdata[1]})<br>microbatch %{customdata[2]}, "
-                           "%{customdata[3]}<br>%{customdata[4]:.2f} ms, from %{customdata[5]:.2f} "
-                           "to %{customdata[6]:.2f} ms<extra></extra>"),
+            customdata=bars[["stage", "rank", "microbatch", "phase", "ms", "start_ms", "end_ms", "chunk"]
+                            ].values.tolist(),
+            hovertemplate=("stage %{customdata[0]} (rank %{customdata[1]}"
+                           + (f", chunk %{{customdata[7]}} of {v}" if v > 1 else "")
+                           + ")<br>microbatch %{customdata[2]}, %{customdata[3]}<br>%{customdata[4]:.2f} ms, "
+                           "from %{customdata[5]:.2f} to %{customdata[6]:.2f} ms<extra></extra>"),
             **PHASE_STYLE[phase],
         )
     what = f"{schedule}, " if schedule else ""
     which = "median over steps" if step == "median" else f"step {step}"
     shape, vm = (f"p={pp}, m={m}, v={v}", "v·m") if v > 1 else (f"p={pp}, m={m}", "m")
+    chunks = ", lighter = the rank's later stage (label: F/B, microbatch, stage)" if v > 1 else ""
     fig.update_layout(
         title=(f"Pipeline {which} ({what}{shape}): bubble: measured {measured:.0%} vs theory "
-               f"{theory:.0%}<br><sup>theory (p-1)/({vm}+p-1); F solid, B hatched; colour = microbatch</sup>"),
+               f"{theory:.0%}<br><sup>theory (p-1)/({vm}+p-1); F solid, B hatched; colour = microbatch"
+               f"{chunks}</sup>"),
         barmode="overlay", xaxis_title="ms from the step's first forward",
         yaxis={"categoryorder": "array", "categoryarray": rows, "autorange": "reversed"},
-        height=190 + 45 * len(rows), margin={"l": 120, "r": 20, "t": 70, "b": 90},
+        height=190 + 45 * len(rows), margin={"l": max(120, 7 * max(map(len, rows))), "r": 20, "t": 70, "b": 90},
         legend={"orientation": "h", "yanchor": "top", "y": -0.5, "font": {"size": 10}},
         meta={"step": step, "bubble_measured": measured, "bubble_theory": theory, "pp": pp,
               "microbatches": m, "stages_per_rank": v, "schedule": schedule},
@@ -208,5 +250,5 @@ def plot_tokens_per_expert(run_or_events: Run | Iterable[dict[str, Any]], step: 
     return fig
 
 
-__all__ = ["plot_losses", "plot_pipeline_timeline", "plot_tokens_per_expert", "pipeline_step", "run_label",
+__all__ = ["ema", "plot_losses", "plot_pipeline_timeline", "plot_tokens_per_expert", "pipeline_step", "run_label",
            "RUN_COLORS", "RANK_DASHES"]
