@@ -50,7 +50,9 @@ def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any]) -> tuple[dict[
     for key, container, sub in _leaves(targets):
         dest = container[sub]
         meta = md.get(key)
-        if not isinstance(dest, torch.Tensor) or type(dest) is not torch.Tensor and not isinstance(dest, torch.nn.Parameter):
+        # Plain tensors and parameters only: a tensor subclass (a DTensor, which an nn.Parameter of one also
+        # is) keeps its data elsewhere, and pointing it at a mapped buffer would break it.
+        if type(dest) not in (torch.Tensor, torch.nn.Parameter):
             return None
         if not isinstance(meta, TensorStorageMetadata) or len(meta.chunks) != 1 or not dest.is_cpu:
             return None
@@ -65,43 +67,41 @@ def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any]) -> tuple[dict[
     maps: dict[str, mmap.mmap] = {}
     out: dict[str, torch.Tensor] = {}
     stats = ReadStats()
-    try:
-        for key, (info, dest) in wanted.items():
-            path = ckpt / info.relative_path
-            mm = maps.get(info.relative_path)
-            if mm is None:
-                with open(path, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size == 0:
-                        return None
-                    mm = maps[info.relative_path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            if info.offset + info.length > len(mm):
-                raise CheckpointFormatError(path, f"is {len(mm)} bytes but an item ends at byte "
-                                            f"{info.offset + info.length}",
-                                            "the file is truncated; restore it or load another step")
-            item = memoryview(mm)[info.offset:info.offset + info.length]
-            try:
-                st, _ = parse_item(item, item, info.length, dest.dtype)
-            except _Unsupported:
-                return None
-            finally:
-                item.release()
-            start = info.offset + st.data_offset
-            nbytes = dest.numel() * dest.element_size()
-            if not (st.contiguous and st.storage_offset == 0 and st.size == tuple(dest.shape)) \
-                    or st.data_offset + nbytes > info.length or start % max(dest.element_size(), 1):
-                return None
-            if dest.numel() == 0:
-                t = torch.empty_like(dest)
-            else:
-                t = torch.frombuffer(mm, dtype=dest.dtype, count=dest.numel(), offset=start).view(dest.shape)
-                if nbytes <= _SMALL:
-                    t = t.clone()
-            out[key] = t
-            stats.direct += 1
-            stats.bytes += nbytes
-    finally:
-        pass  # the mmaps live as long as the tensors made from them
+    # The mmaps stay open as long as the tensors made from them.
+    for key, (info, dest) in wanted.items():
+        path = ckpt / info.relative_path
+        mm = maps.get(info.relative_path)
+        if mm is None:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    return None
+                mm = maps[info.relative_path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if info.offset + info.length > len(mm):
+            raise CheckpointFormatError(path, f"is {len(mm)} bytes but an item ends at byte "
+                                        f"{info.offset + info.length}",
+                                        "the file is truncated; restore it or load another step")
+        item = memoryview(mm)[info.offset:info.offset + info.length]
+        try:
+            st, _ = parse_item(item, item, info.length, dest.dtype)
+        except _Unsupported:
+            return None
+        finally:
+            item.release()
+        start = info.offset + st.data_offset
+        nbytes = dest.numel() * dest.element_size()
+        if not (st.contiguous and st.storage_offset == 0 and st.size == tuple(dest.shape)) \
+                or st.data_offset + nbytes > info.length or start % max(dest.element_size(), 1):
+            return None
+        if dest.numel() == 0:
+            t = torch.empty_like(dest)
+        else:
+            t = torch.frombuffer(mm, dtype=dest.dtype, count=dest.numel(), offset=start).view(dest.shape)
+            if nbytes <= _SMALL:
+                t = t.clone()
+        out[key] = t
+        stats.direct += 1
+        stats.bytes += nbytes
     return out, stats
 
 
