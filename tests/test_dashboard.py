@@ -187,6 +187,12 @@ def test_runs_overlay_until_cleared(dashboards):
                      f"#1 tiny single process ({second.run_dir.name}) r0"]  # two runs, told apart
     assert [len(t.x) for t in dash.loss_fig.data] == [2, 2]
     assert first.losses() != second.losses()  # a different seed: a different curve, kept side by side
+    # The title stays at the top of the figure and each legend entry gets its own row between it and the
+    # plot, so a growing list of runs pushes the plot down instead of covering the title.
+    lay = dash.loss_fig.layout
+    assert lay.title.yref == "container" and lay.legend.orientation == "v" and lay.legend.y > 1
+    assert lay.margin.t == 45 + dashboard_module.LEGEND_ROW_PX * 2
+    assert lay.height - lay.margin.t - lay.margin.b == dashboard_module.PLOT_PX  # the plot keeps its height
 
     fig = plot_losses(first, second)
     assert [t.name for t in fig.data] == ["tiny single process"] * 2
@@ -194,6 +200,7 @@ def test_runs_overlay_until_cleared(dashboards):
 
     dash.clear()
     assert len(dash.loss_fig.data) == 0 and len(dash.tps_fig.data) == 0
+    assert dash.loss_fig.layout.margin.t == 45  # no legend rows left
     assert dash.runs == [first, second]  # clearing the plot forgets no run
 
 

@@ -87,6 +87,7 @@ STEP_METRICS = (
 )
 SMOOTHED = frozenset(m.column for m in STEP_METRICS if m.smooth)
 X_AXES = {"step": "step", "time": "seconds since the run started (wall clock)"}
+PLOT_PX, LEGEND_ROW_PX = 280, 16  # a metric figure's plot area, and what each legend entry adds above it
 
 
 def _human(n: int) -> str:
@@ -305,14 +306,24 @@ class RunDashboard:
     # -- what the view shows ----------------------------------------------------------------------
     @staticmethod
     def _figure(title: str, ytitle: str) -> go.FigureWidget:
-        return go.FigureWidget(layout={
-            "title": title, "xaxis": {"title": "step"}, "yaxis": {"title": ytitle},
-            # The legend sits above the plot, where a growing list of runs pushes the plot down instead
-            # of running over the x-axis title.
-            "height": 380, "width": 520, "margin": {"l": 60, "r": 10, "t": 50, "b": 40, "autoexpand": True},
-            "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "left", "x": 0,
+        fig = go.FigureWidget(layout={
+            # The title at the very top, then the legend (one run or rank per row), then the plot: the
+            # legend pushes the plot down (_fit_legend) instead of running over the title or the x axis.
+            "title": {"text": title, "yref": "container", "y": 0.99, "yanchor": "top", "x": 0.02, "xanchor": "left"},
+            "xaxis": {"title": "step"}, "yaxis": {"title": ytitle},
+            "width": 520, "margin": {"l": 60, "r": 10, "b": 40, "autoexpand": True},
+            "legend": {"orientation": "v", "yanchor": "bottom", "y": 1.02, "xanchor": "left", "x": 0,
                        "font": {"size": 10}},
         })
+        RunDashboard._fit_legend(fig)
+        return fig
+
+    @staticmethod
+    def _fit_legend(fig: go.FigureWidget) -> None:
+        """Room above the plot for the title and one legend row per entry; the plot keeps its height."""
+        rows = sum(1 for t in fig.data if t.showlegend is not False)
+        top = 45 + LEGEND_ROW_PX * rows
+        fig.layout.margin.t, fig.layout.height = top, PLOT_PX + top + 40
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
         bundle = self.widget._repr_mimebundle_(**kwargs)
@@ -453,6 +464,8 @@ class RunDashboard:
             kept = [t for v in keep for t in (*v.traces.values(), *v.smoothed.values())]
             for fig in (*self.metric_figs.values(), self.memory_fig):
                 fig.data = [t for t in fig.data if any(t is k for k in kept)]
+                self._fit_legend(fig)
+            self._fit_legend(self.accuracy_fig)
 
     # -- following a run --------------------------------------------------------------------------
     def _follow(self, view: _RunView) -> None:
@@ -533,6 +546,8 @@ class RunDashboard:
                             marker={"size": 4}, **kwargs)
             lines[key] = fig.data[-1]
             self._style(view, key, lines[key], smoothed)
+            if not smoothed:
+                self._fit_legend(fig)
         return lines[key]
 
     def _style(self, view: _RunView, key: tuple[str, int], trace: Any, smoothed: bool) -> None:
@@ -604,6 +619,7 @@ class RunDashboard:
                 if not any(t.name == "chance" for t in self.accuracy_fig.data):
                     self.accuracy_fig.add_scatter(x=[0, view.steps], y=[chance, chance], mode="lines", name="chance",
                                                   line={"color": "#888", "dash": "dot"})
+                self._fit_legend(self.accuracy_fig)
             view.eval_trace.x, view.eval_trace.y = self._x(view, frame), tuple(accs)
             # chance spans the runs' x range: their steps, or their seconds on the wall-clock axis
             chance = next(t for t in self.accuracy_fig.data if t.name == "chance")
