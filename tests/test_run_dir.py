@@ -142,6 +142,9 @@ def test_api_run_says_what_it_resumed_from_and_overwrite_starts_afresh(first_run
     assert again.start_step == 0
     again.wait(TIMEOUT_S)
     assert again.resumed is None and "resumed_from" not in again.summary()
+    # The earlier Run object still describes its own run, not the one that replaced its events.
+    assert run.metrics["step"].tolist() == [FIRST_STEPS] and run.resumed.step == FIRST_STEPS
+    assert run.status == "succeeded"
     events = read_events(out)
     assert [e["step"] for e in events if e["type"] == "step"] == [0]
     assert not [e for e in events if e["type"] == "resume"]

@@ -27,7 +27,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -313,10 +313,16 @@ class EmbeddingRun(RendersInNotebook):
     run_dir: Path
     returncode: int = 0
     run: Any = None  # the launched workbench.Run (status, stop, root cause), when it ran through launch()
+    # Read once, when the run has finished: a later run in the same directory (a resume, an overwrite)
+    # writes its own events there, which are not this run's.
+    _events: list[dict[str, Any]] = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._events = read_events(self.run_dir)
 
     @property
     def events(self) -> list[dict[str, Any]]:
-        return read_events(self.run_dir)
+        return self._events
 
     @property
     def metrics(self) -> pd.DataFrame:

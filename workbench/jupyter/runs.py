@@ -26,19 +26,17 @@ class _RunState:
         self.run_dir = run_dir
         self.reader = EventReader(run_dir)
         self.events: list[dict] = []
-        self.size = 0
         self.lock = threading.Lock()
 
     def refresh(self) -> list[dict]:
         from workbench.train.events import EventReader
 
         with self.lock:
-            f = self.run_dir / "events.jsonl"
-            size = f.stat().st_size if f.exists() else 0
-            if size < self.size:  # rewritten (a new launch into the same directory): start over
+            new = self.reader.read_new()
+            if self.reader.replaced:  # a new launch into the same directory: follow it from its start
                 self.reader, self.events = EventReader(self.run_dir), []
-            self.size = size
-            self.events.extend(self.reader.read_new())
+                new = self.reader.read_new()
+            self.events.extend(new)
             return self.events
 
 

@@ -64,21 +64,51 @@ class EventWriter:
         self.close()
 
 
+_HEAD_BYTES = 256
+
+
 class EventReader:
-    """Incremental reader: each ``read_new()`` returns the complete events appended since the last call."""
+    """Incremental reader: each ``read_new()`` returns the complete events appended since the last call.
+
+    It follows the one file it first read. When the run directory is reused (``--resume`` into the same
+    ``--out``, or ``--overwrite``), the new run's events go to a new file at the same path; a reader of
+    the earlier run then reads nothing more, instead of taking the new run's events, from its old offset,
+    as its own.
+    """
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / EVENTS_FILE
         self._offset = 0
         self._partial = b""
+        # The file this reader follows: its (st_dev, st_ino), and its first bytes (the first event, with its
+        # time and pid), since a new file may get a freed inode number back.
+        self._file_id: tuple[int, int] | None = None
+        self._head = b""
+        self._replaced = False
+
+    @property
+    def replaced(self) -> bool:
+        """True once the file at the path is no longer the one this reader followed (a new run's)."""
+        return self._replaced
 
     def read_new(self) -> list[dict[str, Any]]:
+        if self._replaced:
+            return []
         try:
             with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                head = f.read(_HEAD_BYTES) if self._offset else b""
+                if self._file_id is not None and (self._file_id != (st.st_dev, st.st_ino) or st.st_size < self._offset
+                                                  or not head.startswith(self._head)):
+                    self._replaced = True  # another run's events now: this reader's run has ended
+                    return []
+                self._file_id = (st.st_dev, st.st_ino)
                 f.seek(self._offset)
                 chunk = f.read()
         except FileNotFoundError:
             return []
+        if len(self._head) < _HEAD_BYTES and chunk:
+            self._head = (self._head + chunk)[:_HEAD_BYTES]
         self._offset += len(chunk)
         data = self._partial + chunk
         lines = data.split(b"\n")
