@@ -150,6 +150,8 @@ def test_bench_checkpoint_quick_prints_one_json_document_of_ratios(repo):
         assert r["min"] <= r["median"] <= r["max"], name
     s = doc["seconds"]
     assert math.isclose(ratios["async_blocking_vs_sync"]["median"], s["async_blocking_s"] / s["sync_save_s"])
+    # save vs raw from the side-by-side measurements (raw, save, save, raw), not from one of each
+    assert math.isclose(ratios["save_throughput_vs_raw"]["median"], s["paired_raw_write_s"] / s["paired_save_s"])
     assert s["async_blocking_s"] < s["async_total_s"]  # the loop was blocked for part of the save only
     assert ratios["int8_optimizer_bytes_vs_fp32"]["median"] <= 0.27
 
