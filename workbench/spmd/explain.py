@@ -226,7 +226,7 @@ def example_args(op: OpOverload, shapes: list | None = None, args: tuple | None 
     if shapes is not None:
         gen = torch.Generator().manual_seed(0)
         tensors = []
-        names = [a.name for a in compat.op_schema(op).arguments if "Tensor" in str(a.type)]
+        names = [a.name for a in compat.op_schema(op).arguments if _is_tensor_arg(a)]
         for i, s in enumerate(shapes):
             name = names[i] if i < len(names) else ""
             t = torch.rand(*s, generator=gen) > 0.5 if name in ("mask", "condition") else torch.randn(*s, generator=gen)

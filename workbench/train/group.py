@@ -21,11 +21,11 @@ def group_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "120")))
 
 
-def init_group(use_cuda: bool) -> None:
-    """``dist.init_process_group`` (NCCL on CUDA, else gloo) from torchrun's environment."""
-    timeout = group_timeout()
+def init_group(use_cuda: bool) -> str:
+    """``dist.init_process_group`` (NCCL on CUDA, else gloo) from torchrun's environment; returns the backend."""
+    timeout, backend = group_timeout(), "nccl" if use_cuda else "gloo"
     try:
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout)
     except dist.DistStoreError as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         world = os.environ.get("WORLD_SIZE", "?")
@@ -33,3 +33,4 @@ def init_group(use_cuda: bool) -> None:
             f"the process group of {world} ranks did not form within {timeout.total_seconds():g} s: another "
             f"rank never joined ({first}); it may be stuck or starved of CPU: check the other ranks' errors, "
             f"run fewer processes at once, or raise {PG_TIMEOUT_ENV}") from None
+    return backend

@@ -85,8 +85,7 @@ def train(job: JobConfig, run_dir: str) -> None:
     # Triton cannot run on this device fails here, with the reason, before any process group exists.
     kernels.set_backend(tcfg.kernels)
     kernels_resolved = kernels.resolve(tcfg.kernels, device)
-    backend = "nccl" if use_cuda else "gloo"
-    init_group(use_cuda)  # workbench.train.group: one line when a rank never joins
+    backend = init_group(use_cuda)  # workbench.train.group: one line when a rank never joins
     if tcfg.spmd_rules:  # our DTensor sharding rules, in this job's processes only (recorded in config.json)
         from workbench import spmd
 

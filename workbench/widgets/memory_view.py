@@ -64,9 +64,6 @@ TABLE_ROWS = 10
 assert set(CATEGORY_COLORS) == set(CATEGORIES) and set(PHASE_COLORS) == set(PHASES)
 
 
-# The axis unit: workbench.units.axis_unit (one rule for every view's byte axes).
-byte_unit = axis_unit
-
 
 class MemoryTimelineView:
     """Explore a :class:`MemoryTimeline` (optionally against ``overlay``). Evaluate to show.
@@ -250,7 +247,7 @@ class MemoryTimelineView:
         ds = tl.downsample(rank, self.max_points, step=step)
         over = self._overlay_line(rank, self.max_points)
         top = max(int(ds["total_bytes"].max()) if len(ds) else 0, int(over[1].max()) if over and len(over[1]) else 0)
-        unit, scale = byte_unit(top)
+        unit, scale = axis_unit(top)
         x = self._xs(tl, rank, ds["t"])
         traces = []
         for cat in CATEGORIES:
@@ -342,7 +339,7 @@ class MemoryTimelineView:
         overs = {r: self._overlay_line(r, self.grid_points) for r in ranks}
         top = max([int(d["total_bytes"].max()) for d in lines.values() if len(d)]
                   + [int(o[1].max()) for o in overs.values() if o is not None and len(o[1])] + [0])
-        unit, scale = byte_unit(top)
+        unit, scale = axis_unit(top)
         titles = [f"rank {r}: peak {format_bytes(d['total_bytes'].max() if len(d) else 0)}" for r, d in lines.items()]
         fig = make_subplots(rows=rows, cols=cols, shared_yaxes="all", subplot_titles=titles,
                             horizontal_spacing=0.03, vertical_spacing=min(0.12, 0.5 / rows))
@@ -449,7 +446,7 @@ class MemoryComparisonView:
     def __init__(self, comparison: MemoryComparison, **timeline_view: Any):
         self.comparison = comparison
         peaks = comparison.peaks
-        unit, scale = byte_unit(max(int(peaks["measured_peak"].max()), int(peaks["predicted_peak"].max())))
+        unit, scale = axis_unit(max(int(peaks["measured_peak"].max()), int(peaks["predicted_peak"].max())))
         ranks = [f"rank {r}" for r in peaks["rank"]]
         errors = [f"{e:+.1%}" if math.isfinite(e) else "inf" for e in peaks["error"]]
         self.peaks_fig = FigureWidget(layout={
@@ -478,4 +475,4 @@ class MemoryComparisonView:
         return f"MemoryComparisonView({self.comparison!r})"
 
 
-__all__ = ["MemoryTimelineView", "MemoryComparisonView", "CATEGORY_COLORS", "PHASE_COLORS", "byte_unit"]
+__all__ = ["MemoryTimelineView", "MemoryComparisonView", "CATEGORY_COLORS", "PHASE_COLORS"]
