@@ -11,6 +11,9 @@ counters, LR scheduler, RNG), on the local disk in a temporary directory. Ratios
                               this disk's write speed drifts within a repeat (a raw write took 0.19 s early
                               in one and 0.51 s later), and a single raw write early against a save made
                               after another 1.2 GB had been written measured the drift, not the save
+* ``save_throughput_vs_raw_writeback``  the same against a raw write that also starts the disk's writeback
+                              every 8 MiB (``sync_file_range``), as saves do since 2026-11-27: the same
+                              bytes written with the same I/O technique, so what is left is the save's CPU
 * ``save_time_vs_dcp``        workbench sync save time  /  plain ``dcp.save`` of the same state dict
                               (the difference: a manifest with the XXH3-128 of every file, taken as the
                               bytes are written, atomic publish, latest)
@@ -30,7 +33,8 @@ counters, LR scheduler, RNG), on the local disk in a temporary directory. Ratios
 * ``load_dcp_reader_vs_safetensors``  the same through DCP's own reader (``load(..., direct=False)``: one
                               ``torch.load`` per item), what loads did before the direct read path
 * ``load_mmap_vs_safetensors``  ``load(..., mmap=True)`` (verification on): the tensors pointed at the mapped
-                              files, nothing copied, as ``load_file`` maps its file
+                              files, nothing copied, as ``load_file`` maps its file; each repeat's value is
+                              the median of 5 interleaved pairs (``paired_*``), each load into a fresh state
 * ``first_step_after_mmap_vs_next_step``  the training step right after a mapped load (its writes copy the
                               pages they touch) / the step after it: where the skipped copy is paid
 * ``int8_optimizer_bytes_vs_fp32``  bytes of the optimizer state saved with ``quant="int8"`` (Adam's moments
@@ -66,7 +70,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from workbench.checkpoint import Checkpointer, TrainState, load, save  # noqa: E402
 from workbench.checkpoint.load import checkpoint_shapes  # noqa: E402
-from workbench.checkpoint.store import CHECKSUM, file_digest  # noqa: E402
+from workbench.checkpoint.saver import WRITEBACK_BYTES  # noqa: E402
+from workbench.checkpoint.store import CHECKSUM, file_digest, start_writeback  # noqa: E402
 from workbench.config import PRESETS  # noqa: E402
 from workbench.models import build_model  # noqa: E402
 from bench_train import _log, machine_info  # noqa: E402  (shared machine facts)
@@ -99,11 +104,19 @@ def flat_tensors(sd: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def raw_write(tensors: dict[str, torch.Tensor], path: Path) -> float:
+def raw_write(tensors: dict[str, torch.Tensor], path: Path, writeback: bool = False) -> float:
+    """Write + fsync of the tensors' bytes to one file. ``writeback``: also start the disk's writeback every
+    8 MiB (``sync_file_range``), as saves do: the same write with the same I/O technique."""
     t0 = time.perf_counter()
     with open(path, "wb") as f:
+        done = kicked = 0
         for t in tensors.values():
             f.write(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+            done += t.numel() * t.element_size()
+            if writeback and done - kicked >= WRITEBACK_BYTES:
+                f.flush()
+                start_writeback(f.fileno(), kicked, done - kicked)
+                kicked = done
         f.flush()
         os.fsync(f.fileno())
     return time.perf_counter() - t0
@@ -119,6 +132,14 @@ def train_step(state: TrainState, x: torch.Tensor) -> None:
 
 def touch(tensors) -> float:
     return float(sum(float(t.float().sum()) for t in tensors))
+
+
+def live_tensors(state: TrainState) -> list[torch.Tensor]:
+    """The tensors a load put in place, taken from the live objects (as a user's next step reads them):
+    parameters, buffers and optimizer state. Not through ``state_dict()``, whose walk (about 7 ms here) is
+    no part of loading, and which the safetensors side does not pay either."""
+    ts = [*state.model.parameters(), *state.model.buffers()]
+    return ts + [v for st in state.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
 def one_repeat(preset: str, work: Path) -> dict[str, float]:
@@ -144,18 +165,23 @@ def one_repeat(preset: str, work: Path) -> dict[str, float]:
 
     # Save against raw, side by side (raw, save, save, raw), so a drift in the disk's speed within the
     # repeat falls on both alike; each pair's files are removed before the next pair writes.
-    raws, saves = [], []
-    for k, order in enumerate((("raw", "save"), ("save", "raw"))):
+    # The raw write with early writeback (what saves do) goes between them both times.
+    raws, raws_wb, saves = [], [], []
+    for k, order in enumerate((("raw", "raw_wb", "save"), ("save", "raw_wb", "raw"))):
         for what in order:
             if what == "raw":
                 raws.append(raw_write(tensors, work / f"paired{k}.bin"))
+            elif what == "raw_wb":
+                raws_wb.append(raw_write(tensors, work / f"paired{k}.wb.bin", writeback=True))
             else:
                 t0 = time.perf_counter()
                 save(work / f"paired{k}", state)
                 saves.append(time.perf_counter() - t0)
         (work / f"paired{k}.bin").unlink()
+        (work / f"paired{k}.wb.bin").unlink()
         shutil.rmtree(work / f"paired{k}")
     r["paired_raw_write_s"], r["paired_save_s"] = statistics.mean(raws), statistics.mean(saves)
+    r["paired_raw_writeback_s"] = statistics.mean(raws_wb)
     saved_weights = {k: v.clone() for k, v in state.model.state_dict().items()}  # the loads below must match
 
     # the same state with Adam's moments in int8 (block-wise scales): bytes of the optimizer state
@@ -213,26 +239,44 @@ def one_repeat(preset: str, work: Path) -> dict[str, float]:
     target = make_state(preset)
     t0 = time.perf_counter()
     res = load(work / "sync", target.model, target.optimizer, scheduler=target.scheduler)
-    touch(flat_tensors(target.state_dict(rng=False)).values())
+    touch(live_tensors(target))
     r["load_s"] = time.perf_counter() - t0
     assert res.read["path"] == "direct", res.read  # every tensor read straight into place
     target2 = make_state(preset)
     t0 = time.perf_counter()
     load(work / "sync", target2.model, target2.optimizer, scheduler=target2.scheduler, verify=False)
-    touch(flat_tensors(target2.state_dict(rng=False)).values())
+    touch(live_tensors(target2))
     r["load_noverify_s"] = time.perf_counter() - t0
     target3 = make_state(preset)
     t0 = time.perf_counter()
     res = load(work / "sync", target3.model, target3.optimizer, scheduler=target3.scheduler, direct=False)
-    touch(flat_tensors(target3.state_dict(rng=False)).values())
+    touch(live_tensors(target3))
     r["load_dcp_reader_s"] = time.perf_counter() - t0
     assert res.read["path"] == "dcp"
     target4 = make_state(preset)
     t0 = time.perf_counter()
     res = load(work / "sync", target4.model, target4.optimizer, scheduler=target4.scheduler, mmap=True)
-    touch(flat_tensors(target4.state_dict(rng=False)).values())
+    touch(live_tensors(target4))
     r["load_mmap_s"] = time.perf_counter() - t0
     assert res.read["path"] == "mmap", res.read
+    # The mapped load against safetensors, side by side: a load of 305 MB takes 30-50 ms here, where one
+    # shot swings by 20% (a stray fault, a free that unmaps), so each repeat takes the median of 5
+    # interleaved pairs, each mapped load into a fresh train state (it replaces that state's tensors).
+    st_times, mmap_times = [], []
+    for k in range(5):
+        fresh = make_state(preset)
+        for what in (("st", "mmap") if k % 2 == 0 else ("mmap", "st")):
+            t0 = time.perf_counter()
+            if what == "st":
+                touch(load_file(str(work / "st.safetensors")).values())
+                st_times.append(time.perf_counter() - t0)
+            else:
+                load(work / "sync", fresh.model, fresh.optimizer, scheduler=fresh.scheduler, mmap=True)
+                touch(live_tensors(fresh))
+                mmap_times.append(time.perf_counter() - t0)
+        del fresh
+    r["paired_safetensors_load_s"] = statistics.median(st_times)
+    r["paired_load_mmap_s"] = statistics.median(mmap_times)
     for k, v in saved_weights.items():  # the benchmark measures loads that are right
         assert torch.equal(v, target.model.state_dict()[k]), k
         assert torch.equal(v, target4.model.state_dict()[k]), k
@@ -288,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": {
             # throughput ratio = (bytes / save_s) / (bytes / raw_s) = raw_s / save_s
             "save_throughput_vs_raw": ratio("paired_save_s", "paired_raw_write_s", invert=True),
+            "save_throughput_vs_raw_writeback": ratio("paired_save_s", "paired_raw_writeback_s", invert=True),
             "save_time_vs_dcp": ratio("sync_save_s", "dcp_save_s"),
             "checksum_time_vs_dcp": ratio("checksum_s", "dcp_save_s"),
             "sha256_time_vs_dcp": ratio("sha256_s", "dcp_save_s"),
@@ -297,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_vs_safetensors": ratio("load_s", "safetensors_load_s"),
             "load_without_verify_vs_safetensors": ratio("load_noverify_s", "safetensors_load_s"),
             "load_dcp_reader_vs_safetensors": ratio("load_dcp_reader_s", "safetensors_load_s"),
-            "load_mmap_vs_safetensors": ratio("load_mmap_s", "safetensors_load_s"),
+            "load_mmap_vs_safetensors": ratio("paired_load_mmap_s", "paired_safetensors_load_s"),
             "first_step_after_mmap_vs_next_step": ratio("first_step_after_mmap_s", "next_step_after_mmap_s"),
             "int8_optimizer_bytes_vs_fp32": ratio("optim_bytes_int8", "optim_bytes_fp32"),
             "int8_save_time_vs_sync": ratio("int8_save_s", "sync_save_s"),

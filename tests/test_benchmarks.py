@@ -140,7 +140,7 @@ def test_bench_checkpoint_quick_prints_one_json_document_of_ratios(repo):
     for key in ("cpu_count", "torch", "platform"):
         assert doc["machine"][key], key
     ratios = doc["ratios"]
-    assert set(ratios) == {"save_throughput_vs_raw", "save_time_vs_dcp", "checksum_time_vs_dcp", "sha256_time_vs_dcp",
+    assert set(ratios) == {"save_throughput_vs_raw", "save_throughput_vs_raw_writeback", "save_time_vs_dcp", "checksum_time_vs_dcp", "sha256_time_vs_dcp",
                            "async_blocking_vs_sync", "zero_stall_step_vs_sync", "zero_stall_step_vs_train_step",
                            "load_vs_safetensors", "load_without_verify_vs_safetensors",
                            "load_dcp_reader_vs_safetensors", "load_mmap_vs_safetensors",
@@ -152,7 +152,11 @@ def test_bench_checkpoint_quick_prints_one_json_document_of_ratios(repo):
     assert math.isclose(ratios["async_blocking_vs_sync"]["median"], s["async_blocking_s"] / s["sync_save_s"])
     # save vs raw from the side-by-side measurements (raw, save, save, raw), not from one of each
     assert math.isclose(ratios["save_throughput_vs_raw"]["median"], s["paired_raw_write_s"] / s["paired_save_s"])
+    assert math.isclose(ratios["save_throughput_vs_raw_writeback"]["median"],
+                        s["paired_raw_writeback_s"] / s["paired_save_s"])
     assert s["async_blocking_s"] < s["async_total_s"]  # the loop was blocked for part of the save only
+    assert math.isclose(ratios["load_mmap_vs_safetensors"]["median"],
+                        s["paired_load_mmap_s"] / s["paired_safetensors_load_s"])
     assert ratios["int8_optimizer_bytes_vs_fp32"]["median"] <= 0.27
 
 

@@ -46,7 +46,10 @@ def test_digests_are_taken_while_writing_and_match_the_files(tmp_path, monkeypat
     assert set(doc["files"]) == {".metadata"} | {f"__0_{i}.distcp" for i in range(saver.WRITE_THREADS)}
     for name, entry in doc["files"].items():
         data = (tmp_path / "step-000001" / name).read_bytes()
+        spans = entry.pop("spans", [])  # where the saver's large writes went (tests/test_checkpoint_mmap.py)
         assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+        assert len(spans) % 2 == 0 and all(o + n <= len(data) for o, n in zip(spans[0::2], spans[1::2]))
+        assert (name == ".metadata") == (not spans)  # every shard of this model has a tensor over 4 KiB
 
 
 def test_a_damaged_latest_is_found_while_loading_and_the_previous_step_loads(tmp_path):
@@ -80,3 +83,49 @@ def test_sha256_manifests_of_older_saves_still_verify_and_load(tmp_path):
     ok, why = is_complete(step)
     assert not ok and why.endswith("__0_0.distcp: sha256 differs from the manifest; the file is damaged")
     assert "sha256 differs from workbench.json" in str(verify(step, progress=False).problems[0])
+
+
+@pytest.mark.parametrize("damaged", ["none", "largest", "smallest", "unmapped"])
+def test_background_verification_names_the_damaged_file_whichever_thread_hashed_it(tmp_path, monkeypatch, damaged):
+    """The checksum threads (at a lowered priority) and the caller of result() take the files one at a time;
+    result() names the damaged file whoever hashed it. Mapped files are hashed in place."""
+    import mmap
+    import os
+    import threading
+
+    import workbench.checkpoint.store as store
+
+    _save_steps(tmp_path, steps=(1,))
+    step = tmp_path / "step-000001"
+    shards = sorted(step.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    assert len(shards) == saver.WRITE_THREADS >= 3
+    bad = {"largest": shards[-1], "smallest": shards[0]}.get(damaged)
+    if bad is not None:
+        _flip_a_byte(bad)
+    maps = {}
+    if damaged != "unmapped":
+        for p in shards:
+            with open(p, "rb") as f:
+                maps[p.name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    hashed = []  # (file or mapping, thread, its nice)
+    for name in ("buffer_digest", "file_digest"):
+        real = getattr(store, name)
+
+        def spy(x, *a, _real=real, **k):
+            hashed.append((x, threading.current_thread().name,
+                           os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+            return _real(x, *a, **k)
+        monkeypatch.setattr(store, name, spy)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    checker = store.BackgroundVerify(step, manifest=read_manifest(step), mapped=maps)
+    why = checker.result()
+    assert len(hashed) == len(shards) + 1  # the shards and .metadata, each once
+    assert sum(isinstance(x, mmap.mmap) for x, _, _ in hashed) == len(maps)
+    for _, thread, nice in hashed:
+        assert nice == (mine if thread == threading.current_thread().name else min(mine + store._NICE, 19)), thread
+    if bad is None:
+        assert why is None and is_complete(step) == (True, "ok")
+    else:
+        assert why == f"{bad}: xxh3_128 differs from the manifest; the file is damaged"
+        assert is_complete(step) == (False, why)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's is untouched

@@ -176,3 +176,96 @@ def test_repeated_state_dicts_reuse_the_fqn_walk_and_stay_live(tmp_path, monkeyp
     load(tmp_path / "c", st.model, st.optimizer, mmap=True)  # the parameters now map the file
     st.state_dict(rng=False)
     assert len(walks) == 2  # the save reused the walk; after the repointing it walked again
+
+
+def test_recorded_spans_locate_every_tensor_as_the_parser_does(tmp_path, monkeypatch):
+    """The saver records where its large writes went; a mapped load takes large tensors from them and small
+    ones from their data record's header, parsing no item, and gets exactly what the parser gets."""
+    import workbench.checkpoint.mmapload as mm
+    from workbench.checkpoint.store import read_manifest
+
+    st = _state(0, steps=2)
+    save(tmp_path / "c", st)
+    ckpt = tmp_path / "c" / "step-000002"
+    md, manifest = read_metadata(ckpt), read_manifest(ckpt)
+    assert all("spans" in e for n, e in manifest["files"].items() if n.endswith(".distcp"))
+    targets = {"model": st.model.state_dict(), "optim": {k[len("optim."):]: v for k, v in _flat(st).items()
+                                                         if k.startswith("optim.state.")}}
+    parsed, _ = mm.mapped_tensors(ckpt, md, targets)
+    calls = []
+    real = mm.parse_item
+    monkeypatch.setattr(mm, "parse_item", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    located, _ = mm.mapped_tensors(ckpt, md, targets, manifest=manifest)
+    assert calls == [] and located.keys() == parsed.keys()
+    assert any(t.numel() * t.element_size() > 4096 for t in located.values())
+    assert any(0 < t.numel() * t.element_size() <= 4096 for t in located.values())
+    for k, v in parsed.items():
+        assert torch.equal(located[k], v) and located[k].dtype == v.dtype, k
+    # Spans that do not fit (hostile or stale: wrong lengths, beyond the item, not numbers) are not used:
+    # each item is parsed instead, and the values are still right.
+    for bad in ([0, 1 << 40], ["x", 3], [-64, 64], [8, 8, 16]):
+        doc = {**manifest, "files": {n: {**e, "spans": bad} for n, e in manifest["files"].items()}}
+        got, _ = mm.mapped_tensors(ckpt, md, targets, manifest=doc)
+        for k, v in parsed.items():
+            assert torch.equal(got[k], v), (bad, k)
+
+
+def test_a_save_with_a_non_dense_tensor_records_no_spans_and_loads_right(tmp_path):
+    """A tensor whose stored bytes are not its row-major values (here a transposed buffer, the same size
+    as its storage) must not be read through spans: the saver records none for that save."""
+    from workbench.checkpoint.store import read_manifest
+
+    st = _state(0)
+    st.model.register_buffer("transposed", torch.arange(4096.0).reshape(64, 64).t())
+    save(tmp_path / "c", st)
+    ckpt = tmp_path / "c" / "step-000001"
+    assert not any("spans" in e for e in read_manifest(ckpt)["files"].values())
+    fresh = _state(3)
+    fresh.model.register_buffer("transposed", torch.zeros(64, 64))
+    load(ckpt, fresh.model, fresh.optimizer, mmap=True)
+    assert torch.equal(fresh.model.transposed, torch.arange(4096.0).reshape(64, 64).t())
+
+
+def test_the_direct_state_walk_is_torchs_walk_and_steps_aside_for_wrappers(tmp_path, monkeypatch):
+    """Loads in one process take the model's and optimizer's tensors without torch's FQN walk: the same
+    keys and tensors. A wrapped model (torch.compile's ``_orig_mod``) goes through torch's walk; if the
+    direct walk ever names keys the checkpoint lacks, the load uses torch's walk too."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    st = _state(0)
+    msd, osd = st._plain_state(optimizer=True)
+    tmsd, tosd = get_state_dict(st.model, st.optimizer, options=state_module._OPTIONS)
+    assert msd.keys() == tmsd.keys() and all(msd[k].data_ptr() == tmsd[k].data_ptr() for k in msd)
+    tstate = {k: v for k, v in tosd.items() if k.startswith("state.")}
+    assert osd.keys() == tstate.keys() and all(osd[k] is tstate[k] for k in osd)
+    assert TrainState(torch.compile(build_model(CFG, seed=0)))._plain_state(optimizer=False) is None
+    assert TrainState(build_model(CFG, seed=0), torch.optim.AdamW(build_model(CFG, seed=0).parameters())
+                      )._plain_state(optimizer=True) is None  # no optimizer state yet: torch's walk makes it
+    save(tmp_path / "c", st)
+    monkeypatch.setattr(state_module, "_WRAPPER_NAMES", frozenset())  # the direct walk now misnames keys
+    compiled = torch.compile(build_model(CFG, seed=5))
+    load(tmp_path / "c", compiled, mmap=True)
+    for k, v in st.model.state_dict().items():
+        assert torch.equal(compiled._orig_mod.state_dict()[k], v), k
+
+
+def test_the_save_stream_starts_writeback_and_its_fsync_sees_every_byte(tmp_path):
+    """What DCP fsyncs is the stream's fileno(), before it closes the stream: the small writes gathered
+    in the stream (and Python's buffer) must be in the file by then."""
+    import os
+
+    from workbench.checkpoint.saver import WRITEBACK_BYTES, _HashingStream
+    from workbench.checkpoint.store import start_writeback
+
+    path = tmp_path / "f"
+    with open(path, "wb") as raw:
+        assert start_writeback(raw.fileno(), 0, 1) in (True, False)
+        s = _HashingStream(raw)
+        s.write(b"x" * 100)  # gathered
+        s.write(bytes(WRITEBACK_BYTES + 5000))  # large: straight through, a span, and writeback started
+        s.write(b"tail")
+        fd = s.fileno()
+        assert os.path.getsize(path) == 100 + WRITEBACK_BYTES + 5000 + 4
+        assert s.spans == [(100, WRITEBACK_BYTES + 5000)] and s.tell() % 64 == 0
+        os.fsync(fd)
+        s.close()

@@ -36,6 +36,9 @@ _LOCAL = b"PK\x03\x04"
 _SMALL = 1 << 16  # items up to this size are read whole in one call
 _HEAD = 4096  # bytes read to find a larger item's data record (data.pkl and the small records before it)
 ALIGN = 64  # items start at multiples of this in files workbench writes (saver._HashingStream)
+# The saver records where each write larger than this went (the manifest's ``spans``): in a tensor item the
+# one such write is the tensor's data record, so a load can find large tensors without parsing the item.
+SPAN_MIN = 4096
 
 
 @dataclass

@@ -156,12 +156,25 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     group = _group(process_group)
     ckpt = _resolve_everywhere(path, group, verify=False)  # sizes now; checksums overlap the read below
     rank = dist.get_rank(group) if group is not None else 0
-    checker = BackgroundVerify(ckpt) if verify and rank == 0 and (ckpt / MANIFEST).exists() else None
+    single = group is None or dist.get_world_size(group) == 1
+    try:
+        manifest = read_manifest(ckpt) if (ckpt / MANIFEST).exists() else None
+    except ValueError:
+        manifest = None  # damaged: the verification below names it (or the read fails and says so)
+    maps = None
+    if mmap and single and manifest is not None:
+        from workbench.checkpoint.mmapload import map_files
+
+        maps = map_files(ckpt, manifest)  # hashed through these, the tensors' pages come in with the check
+    checker = BackgroundVerify(ckpt, manifest=manifest, mapped=maps) \
+        if verify and rank == 0 and (ckpt / MANIFEST).exists() else None
     state = TrainState(model, optimizer, scheduler, ema, rank=rank)
     metadata = read_metadata(ckpt)
     shapes = checkpoint_shapes(ckpt, metadata)
     packed = {k[len("optim."):]: shape for k, (shape, _) in shapes.items() if is_packed_hyper(k)}
-    targets = state.load_targets(optimizer=optimizer is not None, rng=rng, hyper=packed or None)
+    targets = state.load_targets(optimizer=optimizer is not None, rng=rng, hyper=packed or None, direct=single)
+    if single and not _keys_match(targets, shapes):  # the direct walk guessed other names: torch's walk decides
+        targets = state.load_targets(optimizer=optimizer is not None, rng=rng, hyper=packed or None)
     check_model_fits(ckpt, targets["model"], shapes=shapes)
     quantized = quant.load_targets(targets, shapes)  # moments saved as int8/fp8 + scales: read those
     skipped: list[str] = []
@@ -178,35 +191,44 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     for kind in [k for k, v in targets.items() if isinstance(v, dict) and not _has_leaf(v)]:
         del targets[kind]
     mapped = None
-    if mmap and (group is None or dist.get_world_size(group) == 1) and not quantized:
+    if mmap and single and not quantized:
         from workbench.checkpoint.mmapload import mapped_tensors
 
-        mapped = mapped_tensors(ckpt, metadata, targets)
+        mapped = mapped_tensors(ckpt, metadata, targets, manifest=manifest, maps=maps)
     if mapped is not None:
-        from workbench.checkpoint.mmapload import point_at
+        from workbench.checkpoint.mmapload import plan_hyper, plan_pointing, point_at, set_hyper
+        from workbench.checkpoint.state import HYPER_PREFIX, unpack_hyper
 
         tensors, mstats = mapped
         mstats_dict = {**mstats.to_dict(), "path": "mmap"}
+        # Everything is worked out while the checksums are computed; nothing changes until they match.
+        opt = local_optimizer(optimizer) if optimizer is not None else None
+        actions, copied = plan_pointing(targets, tensors, state.view, opt)
+        optim = targets.get("optim")
+        hyper_updates = None
+        if optim is not None and not copied:
+            try:
+                hyper = unpack_hyper([tensors[f"optim.{k}"] for k in optim if k.startswith(HYPER_PREFIX)])
+                hyper_updates = plan_hyper(opt, targets["model"], state.view, hyper)
+            except Exception:  # noqa: BLE001 - unreadable bytes: decided below, after the checksums
+                hyper_updates = None
         damaged: list[Any] = [checker.result() if checker is not None else None]
         if damaged[0] is not None:  # nothing was repointed yet: the files are refused before any value is used
             intact = _resolve_everywhere(path, group, verify=True)
             return load(intact, model, optimizer, scheduler=scheduler, ema=ema, rng=rng,
                         process_group=process_group, verify=False, direct=direct, mmap=mmap)
-        opt = local_optimizer(optimizer) if optimizer is not None else None
-        copied = point_at(targets, tensors, state.view, opt)
+        point_at(actions)
         targets.setdefault("extra", {})
         optim = targets.pop("optim", None)
         if optim is not None:  # the state tensors are the optimizer's own now; the hyperparameters remain
-            from workbench.checkpoint.mmapload import apply_hyper
-            from workbench.checkpoint.state import HYPER_PREFIX, unpack_hyper
-
-            hyper = unpack_hyper([t for k, t in optim.items() if k.startswith(HYPER_PREFIX)])
-            if copied or not apply_hyper(opt, targets["model"], state.view, hyper):
+            if hyper_updates is None:
                 targets["optim"] = optim  # the long way: torch's set_optimizer_state_dict
+            else:
+                set_hyper(hyper_updates)
         state.apply_loaded(targets, model_in_place=True)
         if optim is not None:
             targets["optim"] = optim
-        return _result(ckpt, state, targets, skipped, ema, mstats_dict)
+        return _result(ckpt, state, targets, skipped, ema, mstats_dict, manifest)
     reader = SafeFileSystemReader(ckpt)
     reader._cached = metadata  # read once above; DCP asks for it again
     reader.direct = direct
@@ -232,13 +254,25 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     targets.setdefault("extra", {})
     state.apply_loaded(targets)
     stats = getattr(reader, "stats", None)
-    return _result(ckpt, state, targets, skipped, ema, stats.to_dict() if stats else {})
+    return _result(ckpt, state, targets, skipped, ema, stats.to_dict() if stats else {}, manifest)
 
 
-def _result(ckpt: Path, state: TrainState, targets: dict, skipped: list[str], ema, read: dict) -> LoadResult:
+def _keys_match(targets: dict[str, Any], shapes: dict[str, Any]) -> bool:
+    """Every model and optimizer-state key of ``targets`` is in the checkpoint, and every model key of the
+    checkpoint is in ``targets``: what a direct walk of the state must give to be used."""
+    model = targets.get("model", {})
+    saved_model = sum(k.startswith("model.") for k in shapes)
+    if len(model) != saved_model or any(f"model.{k}" not in shapes for k in model):
+        return False
+    return all(f"optim.{k}" in shapes for k in targets.get("optim", {}))
+
+
+def _result(ckpt: Path, state: TrainState, targets: dict, skipped: list[str], ema, read: dict,
+            manifest: dict | None = None) -> LoadResult:
     if ema is not None and any(k.startswith("ema.") for k in skipped):
         ema.reset()  # no EMA in the checkpoint: start it from the loaded weights
-    manifest = read_manifest(ckpt) if (ckpt / MANIFEST).exists() else {}
+    if manifest is None:
+        manifest = read_manifest(ckpt) if (ckpt / MANIFEST).exists() else {}
     step = state.step if "extra" in targets and "step" in targets["extra"] else int(manifest.get("step", 0))
     consumed = state.consumed_samples if "consumed_samples" in targets.get("extra", {}) else \
         int(manifest.get("consumed_samples", 0))

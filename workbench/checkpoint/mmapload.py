@@ -18,18 +18,20 @@ saves write new files and rename them, and rotation's deletes leave mapped pages
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from workbench.checkpoint.directread import ReadStats, _Unsupported, parse_item
+from workbench.checkpoint.directread import _LOCAL, SPAN_MIN, ReadStats, _Unsupported, parse_item
 from workbench.checkpoint.safeload import CheckpointFormatError
 
-__all__ = ["mapped_tensors", "point_at", "apply_hyper"]
+__all__ = ["map_files", "mapped_tensors", "plan_pointing", "point_at", "plan_hyper", "set_hyper"]
 
 _SMALL = 1 << 12  # tensors up to this many bytes are copied out of the mapping (scalars, RNG, hyperparameters)
 
@@ -42,10 +44,78 @@ def _leaves(d: dict[str, Any], prefix: str = ""):
             yield f"{prefix}{k}", d, k
 
 
-def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any]) -> tuple[dict[str, torch.Tensor], ReadStats] | None:
+def map_files(ckpt: Path, manifest: dict[str, Any]) -> dict[str, mmap.mmap]:
+    """Copy-on-write mappings of a checkpoint's shard files (by name), as the manifest lists them."""
+    maps = {}
+    for name in (manifest.get("files") or {}):
+        if name.endswith(".distcp"):
+            try:
+                with open(ckpt / name, "rb") as f:
+                    if os.fstat(f.fileno()).st_size:
+                        maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            except OSError:
+                continue  # missing or unreadable: verification names it; the load reads what it can
+    return maps
+
+
+def _spans(manifest: dict[str, Any] | None) -> dict[str, tuple[list[int], list[int]]]:
+    """file -> (offsets, lengths) of the large writes the saver recorded (``files.<name>.spans``), sorted;
+    malformed or absent entries are left out (those items are then parsed)."""
+    out = {}
+    for name, info in ((manifest or {}).get("files") or {}).items():
+        flat = info.get("spans") if isinstance(info, dict) else None
+        if isinstance(flat, list) and len(flat) % 2 == 0 and all(type(x) is int and x >= 0 for x in flat):
+            pairs = sorted(zip(flat[0::2], flat[1::2]))
+            out[name] = ([o for o, _ in pairs], [n for _, n in pairs])
+    return out
+
+
+def _record_start(mm: mmap.mmap, info, nbytes: int) -> int | None:
+    """Where a small dense item keeps its tensor's bytes: the data record (``<archive>/data/0``) found by its
+    local header, the first one after the pickle and three tiny records. Used only for files whose saver
+    recorded spans (every tensor dense: the record is the tensor's bytes, row-major, little-endian); the
+    name, the header's signature and the bounds are all checked, and None sends the item to the parser."""
+    end = info.offset + info.length
+    at = mm.find(b"/data/0", info.offset, end)
+    if at < 0:
+        return None
+    hdr = mm.rfind(_LOCAL, info.offset, at)
+    if hdr < 0 or hdr + 30 > at:
+        return None
+    nlen, xlen = struct.unpack_from("<HH", mm, hdr + 26)
+    if hdr + 30 + nlen != at + len(b"/data/0"):
+        return None
+    start = hdr + 30 + nlen + xlen
+    return start if start + nbytes <= end else None
+
+
+def _span_start(spans, info, nbytes: int) -> int | None:
+    """Where the item ``info`` keeps its tensor's ``nbytes`` bytes, from the recorded spans: the large write
+    inside the item, if it has exactly that length (the saver records spans only for dense tensors)."""
+    if spans is None or nbytes <= SPAN_MIN:
+        return None
+    offsets, lengths = spans
+    i = bisect.bisect_left(offsets, info.offset)
+    if i == len(offsets):
+        return None
+    start, n = offsets[i], lengths[i]
+    end = info.offset + info.length
+    if n != nbytes or start + n > end or (i + 1 < len(offsets) and offsets[i + 1] < end):
+        return None  # not that length, or not the item's only large write: parse the item instead
+    return start
+
+
+def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any], *, manifest: dict[str, Any] | None = None,
+                   maps: dict[str, mmap.mmap] | None = None) -> tuple[dict[str, torch.Tensor], ReadStats] | None:
     """``key -> tensor`` for every leaf of ``targets``, backed by the mapped files (small ones copied out),
-    or None when some leaf cannot be mapped (then nothing was changed)."""
+    or None when some leaf cannot be mapped (then nothing was changed).
+
+    ``maps``: the files already mapped (:func:`map_files`); ``manifest``: its recorded spans locate each
+    large tensor without parsing its item (``torch.save``'s zip directory and pickle), which is most of
+    this function's time otherwise."""
     md = metadata.state_dict_metadata
+    whole = {idx.fqn: info for idx, info in metadata.storage_data.items()  # items that start at offset 0
+             if isinstance(idx.offset, torch.Size) and not any(idx.offset)}
     wanted: dict[str, tuple[Any, torch.Tensor]] = {}
     for key, container, sub in _leaves(targets):
         dest = container[sub]
@@ -60,38 +130,48 @@ def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any]) -> tuple[dict[
         if tuple(chunk.sizes) != tuple(meta.size) or tuple(meta.size) != tuple(dest.shape) \
                 or meta.properties.dtype != dest.dtype:
             return None
-        info = metadata.storage_data.get(MetadataIndex(key, torch.Size([0] * len(meta.size))))
+        info = whole.get(key)
         if info is None or getattr(info, "transform_descriptors", None):
             return None
         wanted[key] = (info, dest)
-    maps: dict[str, mmap.mmap] = {}
+    maps = dict(maps or {})
+    spans = _spans(manifest)
     out: dict[str, torch.Tensor] = {}
     stats = ReadStats()
     # The mmaps stay open as long as the tensors made from them.
     for key, (info, dest) in wanted.items():
-        path = ckpt / info.relative_path
         mm = maps.get(info.relative_path)
         if mm is None:
-            with open(path, "rb") as f:
+            with open(ckpt / info.relative_path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
                     return None
                 mm = maps[info.relative_path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         if info.offset + info.length > len(mm):
-            raise CheckpointFormatError(path, f"is {len(mm)} bytes but an item ends at byte "
-                                        f"{info.offset + info.length}",
+            raise CheckpointFormatError(ckpt / info.relative_path, f"is {len(mm)} bytes but an item ends at "
+                                        f"byte {info.offset + info.length}",
                                         "the file is truncated; restore it or load another step")
-        item = memoryview(mm)[info.offset:info.offset + info.length]
-        try:
-            st, _ = parse_item(item, item, info.length, dest.dtype)
-        except _Unsupported:
-            return None
-        finally:
-            item.release()
-        start = info.offset + st.data_offset
         nbytes = dest.numel() * dest.element_size()
-        if not (st.contiguous and st.storage_offset == 0 and st.size == tuple(dest.shape)) \
-                or st.data_offset + nbytes > info.length or start % max(dest.element_size(), 1):
+        file_spans = spans.get(info.relative_path)
+        if file_spans is None:
+            start = None
+        elif nbytes > SPAN_MIN:
+            start = _span_start(file_spans, info, nbytes)
+        else:
+            start = _record_start(mm, info, nbytes)
+        if start is None:
+            item = memoryview(mm)[info.offset:info.offset + info.length]
+            try:
+                st, _ = parse_item(item, item, info.length, dest.dtype)
+            except _Unsupported:
+                return None
+            finally:
+                item.release()
+            start = info.offset + st.data_offset
+            if not (st.contiguous and st.storage_offset == 0 and st.size == tuple(dest.shape)) \
+                    or st.data_offset + nbytes > info.length:
+                return None
+        if start % max(dest.element_size(), 1):
             return None
         if dest.numel() == 0:
             t = torch.empty_like(dest)
@@ -105,14 +185,15 @@ def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any]) -> tuple[dict[
     return out, stats
 
 
-def point_at(targets: dict[str, Any], mapped: dict[str, torch.Tensor], model: torch.nn.Module,
-             optimizer: torch.optim.Optimizer | None) -> int:
-    """Point the model's parameters and buffers and the optimizer's state at ``mapped`` where the target
-    tensor is theirs (found by identity of storage); copy into the target where it is not (a view the
-    state dict made, a scheduler's or RNG's fresh tensor). ``targets`` then holds the loaded values, for
-    what is applied from it afterwards (hyperparameters, scheduler, RNG, step). Returns how many optimizer
-    state tensors were copied into a target that may not be the optimizer's own (then the optimizer must
-    be given the state as usual)."""
+def plan_pointing(targets: dict[str, Any], mapped: dict[str, torch.Tensor], model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer | None) -> tuple[list, int]:
+    """What pointing the model and optimizer at ``mapped`` takes, worked out without changing anything (a
+    load decides this while the checksums are still being computed, and applies it once they match):
+    parameters and buffers are repointed where the target tensor is theirs (found by identity of storage),
+    optimizer state tensors replaced in ``optimizer.state``, and anything else (a view the state dict made,
+    a scheduler's or RNG's fresh tensor) copied into. Returns the actions for :func:`point_at` and how many
+    optimizer state tensors are copied into a target that may not be the optimizer's own (then the
+    optimizer must be given the state as usual)."""
     params = {p.data_ptr(): p for p in model.parameters() if p.numel()}
     buffers = {b.data_ptr(): (mod, name) for mod in model.modules() for name, b in mod._buffers.items()
                if b is not None and b.numel()}
@@ -122,32 +203,45 @@ def point_at(targets: dict[str, Any], mapped: dict[str, torch.Tensor], model: to
             for name, v in st.items():
                 if isinstance(v, torch.Tensor):
                     opt_state[id(v)] = (st, name)
-    copied_optim = 0
+    actions, copied_optim = [], 0
     for key, container, sub in _leaves(targets):
         dest, src = container[sub], mapped[key]
         exact = dest.numel() and dest.is_contiguous() and dest.storage_offset() == 0 \
             and dest.untyped_storage().nbytes() == dest.numel() * dest.element_size()
         if exact and dest.data_ptr() in params and params[dest.data_ptr()].shape == src.shape:
-            params[dest.data_ptr()].data = src
+            actions.append(("param", params[dest.data_ptr()], None, src, container, sub))
         elif exact and dest.data_ptr() in buffers:
             mod, name = buffers[dest.data_ptr()]
-            mod._buffers[name] = src
+            actions.append(("buffer", mod._buffers, name, src, container, sub))
         elif id(dest) in opt_state:
             st, name = opt_state[id(dest)]
-            st[name] = src
+            actions.append(("state", st, name, src, container, sub))
         else:
-            dest.copy_(src)
+            actions.append(("copy", dest, None, src, None, None))
             copied_optim += key.startswith("optim.state.")
+    return actions, copied_optim
+
+
+def point_at(actions: list) -> None:
+    """Apply :func:`plan_pointing`'s actions. ``targets`` then holds the loaded values, for what is applied
+    from it afterwards (hyperparameters, scheduler, RNG, step)."""
+    for kind, obj, name, src, container, sub in actions:
+        if kind == "param":
+            obj.data = src
+        elif kind == "copy":
+            obj.copy_(src)
             continue
+        else:
+            obj[name] = src
         container[sub] = src
-    return copied_optim
 
 
-def apply_hyper(optimizer: torch.optim.Optimizer, model_targets: dict[str, torch.Tensor], model: torch.nn.Module,
-                hyper: dict[str, dict[str, Any]]) -> bool:
-    """Set each param group's hyperparameters from the packed ``hyper`` (``fqn -> values``) of its first
-    parameter, found through ``model_targets`` (fqn -> the parameter's tensor, now mapped). False (nothing
-    set) when a group's parameter has no FQN here or no stored values: the caller then goes the long way."""
+def plan_hyper(optimizer: torch.optim.Optimizer, model_targets: dict[str, torch.Tensor], model: torch.nn.Module,
+               hyper: dict[str, dict[str, Any]]) -> list | None:
+    """Each param group's hyperparameters from the packed ``hyper`` (``fqn -> values``) of its first
+    parameter, found through ``model_targets`` (fqn -> a tensor sharing the parameter's storage): a list
+    for :func:`set_hyper`, or None when a group's parameter has no FQN here or no stored values (the
+    caller then goes the long way)."""
     from workbench.checkpoint.state import _from_json
 
     fqn_of = {}
@@ -159,10 +253,13 @@ def apply_hyper(optimizer: torch.optim.Optimizer, model_targets: dict[str, torch
     for group in optimizer.param_groups:
         fqn = next((fqn_of.get(id(p)) for p in group["params"] if id(p) in fqn_of), None)
         if fqn is None or fqn not in hyper:
-            return False
-        updates.append((group, hyper[fqn]))
-    for group, stored in updates:
-        for name, value in stored.items():
+            return None
+        for name, value in hyper[fqn].items():
             if name != "params" and name in group:
-                group[name] = _from_json(value, group[name])
-    return True
+                updates.append((group, name, _from_json(value, group[name])))
+    return updates
+
+
+def set_hyper(updates: list) -> None:
+    for group, name, value in updates:
+        group[name] = value

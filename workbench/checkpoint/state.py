@@ -65,6 +65,8 @@ __all__ = ["TrainState", "model_view", "local_optimizer", "capture_rng", "restor
 
 KINDS = KEY_PREFIXES  # the key prefixes a save writes, in order (see workbench.kinds)
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Module names torch's state-dict walk removes from FQNs (DDP, torch.compile, activation checkpointing, FSDP1)
+_WRAPPER_NAMES = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
 
 class StageUnion(nn.Module):
@@ -379,6 +381,37 @@ class TrainState:
             self._sd_cache = (ident, dict(msd), tensors, hyper_refs)
         return msd, osd
 
+    def _plain_state(self, optimizer: bool) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        """The model state dict and the optimizer's flattened state tensors (``state.<fqn>.<name>``) as
+        torch's ``get_state_dict`` gives them, read directly where that walk is the identity: a model in one
+        process with no wrapper in its names (DDP's ``module``, compile's ``_orig_mod``, activation
+        checkpointing's or FSDP1's wrapper) and no DTensor, whose every optimized parameter already has
+        optimizer state made of tensors. torch's walk costs about 6 ms for the small preset's 75
+        parameters; this one 0.3 ms. None where any condition fails (then torch's walk is used)."""
+        view = self.view
+        msd = view.state_dict()
+        if any(part in _WRAPPER_NAMES for k in msd for part in k.split(".")) \
+                or any(isinstance(t, DTensor) for t in msd.values()):
+            return None
+        if not optimizer or self.optimizer is None:
+            return msd, None
+        opt = self.optimizer
+        if isinstance(opt, ZeroRedundancyOptimizer) or not opt.state:
+            return None
+        optimized = {id(p) for group in opt.param_groups for p in group["params"]}
+        osd: dict[str, Any] = {}
+        for fqn, p in view.named_parameters():
+            if id(p) not in optimized:
+                continue
+            st = opt.state.get(p)
+            if not st:
+                return None
+            for name, v in st.items():
+                if type(v) is not torch.Tensor:
+                    return None
+                osd[f"state.{fqn}.{name}"] = v
+        return msd, osd
+
     def kinds(self) -> list[str]:
         """The key prefixes a save of this state writes, in :data:`KINDS` order."""
         have = {"optim": self.optimizer is not None, "ema": self.ema is not None, "sched": self.scheduler is not None}
@@ -386,13 +419,19 @@ class TrainState:
 
     # -- loading ------------------------------------------------------------------------------
     def load_targets(self, optimizer: bool = True, rng: bool = True,
-                     hyper: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+                     hyper: dict[str, tuple[int, ...]] | None = None, direct: bool = False) -> dict[str, Any]:
         """The nested dict of tensors to pass to ``dcp.load`` (full state, or model only).
 
         ``hyper``: the checkpoint's packed hyperparameter items (``hyper.<digest>`` -> shape) to read; None
-        for a checkpoint from before they were packed (one target per ``param_groups`` value)."""
-        targets: dict[str, Any] = {"model": self.model_state()}
-        if optimizer and self.optimizer is not None:
+        for a checkpoint from before they were packed (one target per ``param_groups`` value). ``direct``:
+        take the model's and optimizer's tensors without torch's walk where that is the identity
+        (:meth:`_plain_state`); the caller checks the keys against the checkpoint's."""
+        plain = self._plain_state(optimizer) if direct and (hyper is not None or not optimizer) else None
+        targets: dict[str, Any] = {"model": plain[0] if plain else self.model_state()}
+        if plain and plain[1] is not None:
+            targets["optim"] = dict(plain[1])
+            targets["optim"].update({k: torch.empty(shape, dtype=torch.uint8) for k, shape in hyper.items()})
+        elif optimizer and self.optimizer is not None:
             osd = self.optim_state()
             if hyper is None:
                 targets["optim"] = {k: t for k, v in osd.items() if (t := encode_hyper(v)) is not None}

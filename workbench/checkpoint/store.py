@@ -38,6 +38,7 @@ import mmap
 import os
 import re
 import shutil
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ import xxhash
 
 __all__ = ["MANIFEST", "LATEST", "CHECKSUM", "CheckpointStore", "step_name", "parse_step", "is_complete",
            "read_manifest", "file_digest", "recorded_digest", "new_hash", "fsync_dir", "resolve_checkpoint",
-           "BackgroundVerify"]
+           "BackgroundVerify", "start_writeback"]
 
 MANIFEST = "workbench.json"
 LATEST = "latest"
@@ -55,8 +56,40 @@ FORMAT = "workbench-checkpoint"
 VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
 _CHUNK = 8 << 20
+_MAPPED_CHUNK = 256 << 20
 CHECKSUM = "xxh3_128"  # what saves record; "sha256" is what older saves recorded
 _HASHERS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+def _find_sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None where there is none (then writeback starts at fsync)."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError, ImportError):
+        return None
+
+
+_sync_file_range = _find_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` to the disk now, without waiting.
+
+    Linux otherwise keeps a save's dirty pages in memory until the closing fsync, which then waits for
+    all of them: the disk sits idle while the bytes are produced, then the CPU waits while the disk
+    works. Started every few MiB as the file is written (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, what
+    RocksDB's ``bytes_per_sync`` does), the flush overlaps the writing and the fsync finds little left.
+    It changes nothing about durability: the fsync still decides. False (nothing done) where the call
+    does not exist or fails (not Linux, a filesystem without it)."""
+    if _sync_file_range is None or nbytes <= 0:
+        return False
+    return _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
 
 
 def step_name(step: int) -> str:
@@ -146,74 +179,174 @@ def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
     return doc
 
 
+# A load's checksum threads run at this nice: they then leave the cores to the loading thread while it
+# has work (its Python, which they would otherwise preempt), and it joins the hashing once it has none.
+# A mapped load of 305 MB + touch, 12 interleaved runs (2026-11-27): 43.8 ms at +10, 50.0 ms at 0.
+_NICE = 10
 _HASH_THREADS = 2  # files hashed at once when verifying (2 cores here; more only contend)
 
 
-def is_complete(ckpt_dir: str | Path, verify_checksums: bool = True) -> tuple[bool, str]:
-    """(ok, reason): the manifest parses and every file it lists exists with its size (and checksum)."""
+def buffer_digest(buf, algo: str = CHECKSUM) -> tuple[int, str]:
+    """(bytes, hex digest) of a buffer (a mapped file), hashed in place in 8 MiB steps."""
+    h = _HASHERS[algo]()
+    if isinstance(buf, mmap.mmap) and sys.platform.startswith("linux"):
+        try:  # fill the mapping's page tables in one call (Linux 5.14+), cheaper than a fault per 64 KiB
+            buf.madvise(getattr(mmap, "MADV_POPULATE_READ", 22))
+        except (OSError, ValueError):
+            pass  # an older kernel: the reads below fault the pages in
+    view = memoryview(buf).cast("B")
     try:
-        doc = read_manifest(ckpt_dir)
+        # In _MAPPED_CHUNK steps: each update releases the GIL once for its whole length, so a hashing
+        # thread is not left waiting for the GIL (up to 5 ms each time) while a load's thread runs Python.
+        for i in range(0, len(view), _MAPPED_CHUNK):
+            h.update(view[i:i + _MAPPED_CHUNK])
+    finally:
+        view.release()
+    return len(buf), h.hexdigest()
+
+
+def _listing(ckpt_dir: str | Path, verify_checksums: bool, manifest: dict | None
+             ) -> tuple[str | None, list[tuple[Path, int, tuple[str, str]]]]:
+    """(problem, files to hash): the manifest parses and every file it lists exists with its size."""
+    try:
+        doc = read_manifest(ckpt_dir) if manifest is None else manifest
     except ValueError as e:
-        return False, str(e)
+        return str(e), []
     files = doc.get("files") or {}
     if ".metadata" not in files:
-        return False, f"{ckpt_dir}: manifest lists no .metadata"
+        return f"{ckpt_dir}: manifest lists no .metadata", []
     todo = []
     for name, info in files.items():
         p = Path(ckpt_dir) / name
-        if not p.is_file():
-            return False, f"{p}: missing"
-        if p.stat().st_size != info["bytes"]:
-            return False, f"{p}: {p.stat().st_size} bytes, manifest says {info['bytes']}"
+        try:
+            size = p.stat().st_size if p.is_file() else None
+        except OSError:
+            size = None
+        if size is None:
+            return f"{p}: missing", []
+        if size != info["bytes"]:
+            return f"{p}: {size} bytes, manifest says {info['bytes']}", []
         if verify_checksums:
             recorded = recorded_digest(info)
             if recorded is None:
-                return False, f"{p}: the manifest records no checksum for it"
-            todo.append((p, recorded))
-    if not todo:
-        return True, "ok"
+                return f"{p}: the manifest records no checksum for it", []
+            todo.append((p, size, recorded))
+    todo.sort(key=lambda t: -t[1])  # largest first: whoever is free last takes a small one
+    return None, todo
 
-    def check(item) -> str | None:
-        p, (algo, digest) = item
-        return None if file_digest(p, algo=algo)[1] == digest else \
-            f"{p}: {algo} differs from the manifest; the file is damaged"
 
-    # The hashers release the GIL: a rank's files (one per writer thread) hash side by side.
-    big = [t for t in todo if t[0].stat().st_size >= _CHUNK]
-    workers = min(len(big), _HASH_THREADS)
-    if workers > 1:
-        from concurrent.futures import ThreadPoolExecutor
+def _lowered(fn):
+    """``fn`` run at :data:`_NICE` more than this thread's nice (Linux: per thread; elsewhere as it is). Only for
+    threads that end with it: an unprivileged thread cannot raise its priority back."""
+    def run() -> None:
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + _NICE, 19))
+        except (OSError, AttributeError):
+            pass
+        fn()
+    return run
 
-        with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-hash") as pool:
-            results = list(pool.map(check, todo))
-    else:
-        results = [check(t) for t in todo]
-    bad = next((r for r in results if r is not None), None)
+
+class _HashJob:
+    """Files to hash, taken one at a time by whichever thread is free (the hashers release the GIL, so a
+    rank's files, one per writer thread, hash side by side; a load's own thread joins in once it has
+    nothing else to do). ``mapped``: file name -> a mapping of it, hashed in place of the file."""
+
+    def __init__(self, todo: list, mapped: dict[str, Any] | None = None):
+        self.todo, self.mapped = todo, mapped or {}
+        self.results: list[str | None] = [None] * len(todo)
+        self._next, self._lock = 0, threading.Lock()
+
+    def work(self) -> None:
+        while True:
+            with self._lock:
+                i = self._next
+                if i >= len(self.todo):
+                    return
+                self._next += 1
+            p, _, (algo, digest) = self.todo[i]
+            buf = self.mapped.get(p.name)
+            try:
+                got = buffer_digest(buf, algo) if buf is not None else file_digest(p, algo=algo)
+            except OSError as e:
+                self.results[i] = f"{p}: cannot be read ({type(e).__name__}: {e})"
+                continue
+            if got[1] != digest:
+                self.results[i] = f"{p}: {algo} differs from the manifest; the file is damaged"
+
+    def run(self, threads: int, background: bool = False) -> None:
+        """Hash everything with ``threads`` threads, this one included. ``background``: the threads run at
+        a lower priority (this one too: call it from a thread of its own), so they yield the cores to the
+        thread that waits for the result while it still has work of its own."""
+        target = _lowered(self.work) if background else self.work
+        extra = [threading.Thread(target=target, name="checkpoint-hash", daemon=True)
+                 for _ in range(min(threads, len(self.todo)) - 1)]
+        for t in extra:
+            t.start()
+        target()
+        for t in extra:
+            t.join()
+
+    def problem(self) -> str | None:
+        return next((r for r in self.results if r is not None), None)
+
+
+def is_complete(ckpt_dir: str | Path, verify_checksums: bool = True, *, manifest: dict | None = None,
+                mapped: dict[str, Any] | None = None) -> tuple[bool, str]:
+    """(ok, reason): the manifest parses and every file it lists exists with its size (and checksum).
+
+    ``manifest``: the already parsed manifest. ``mapped``: file name -> a mapping of that file, hashed
+    instead of opening the file again; a mapped load passes the mappings its tensors point into, so
+    hashing also brings their pages into the process (the first read of the tensors then faults nothing).
+    """
+    why, todo = _listing(ckpt_dir, verify_checksums, manifest)
+    if why is not None:
+        return False, why
+    job = _HashJob(todo, mapped)
+    job.run(_HASH_THREADS)
+    bad = job.problem()
     return (False, bad) if bad else (True, "ok")
 
 
 class BackgroundVerify:
-    """:func:`is_complete` with checksums, on a thread: start it, read the checkpoint, then ``result()``.
+    """:func:`is_complete` with checksums, on threads: start it, read the checkpoint, then ``result()``.
 
     Reading and hashing the same files overlap (both release the GIL; the second reader hits the page
-    cache), so a verified load costs about what an unverified one does.
+    cache), so a verified load costs about what an unverified one does. ``result()`` hashes whatever file
+    no thread has started yet before it waits: the caller has nothing else to do by then.
     """
 
-    def __init__(self, ckpt_dir: str | Path):
+    def __init__(self, ckpt_dir: str | Path, *, manifest: dict | None = None, mapped: dict[str, Any] | None = None):
         self.dir, self._why = Path(ckpt_dir), None
+        self._manifest, self._mapped = manifest, mapped
+        self._job: _HashJob | None = None
+        self._listed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="checkpoint-verify", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            ok, why = is_complete(self.dir, verify_checksums=True)
-            self._why = None if ok else why
+            why, todo = _listing(self.dir, True, self._manifest)
+            if why is not None:
+                self._why = why
+                return
+            self._job = _HashJob(todo, self._mapped)
+            self._listed.set()
+            self._job.run(_HASH_THREADS, background=True)
         except Exception as e:  # unreadable file: a problem to report, not a thread that dies silently
             self._why = f"{self.dir}: cannot be verified ({type(e).__name__}: {e})"
+        finally:
+            self._listed.set()
 
     def result(self) -> str | None:
         """None if every file matches the manifest, else the first problem (one line)."""
+        self._listed.wait()
+        if self._job is not None:
+            self._job.work()
         self._thread.join()
+        if self._why is None and self._job is not None:  # every file is hashed now, by whichever thread
+            self._why = self._job.problem()
         return self._why
 
 
