@@ -269,3 +269,29 @@ def test_the_save_stream_starts_writeback_and_its_fsync_sees_every_byte(tmp_path
         assert s.spans == [(100, WRITEBACK_BYTES + 5000)] and s.tell() % 64 == 0
         os.fsync(fd)
         s.close()
+
+
+def test_an_export_with_the_optimizer_carries_its_param_groups_as_readable_json(tmp_path):
+    """The packed hyperparameter item stays a tensor in an export (it loads back exactly); the groups also
+    go into the optimizer files' metadata as JSON, readable without workbench."""
+    import json
+
+    from safetensors import safe_open
+
+    from workbench.checkpoint import export
+
+    st = _state(0)
+    save(tmp_path / "c", st)
+    export(tmp_path / "c", tmp_path / "hf", to="hf", include=("model", "optimizer"), progress=False)
+    export(tmp_path / "c", tmp_path / "one.safetensors", to="safetensors", include=("model", "optimizer"),
+           progress=False)
+    index = json.loads((tmp_path / "hf" / "optimizer.safetensors.index.json").read_text())
+    groups = index["metadata"]["param_groups"]
+    by_wd = {g["hyper"]["weight_decay"]: g for g in groups}
+    assert set(by_wd) == {0.1, 0.0} and "norm.weight" in by_wd[0.0]["params"]
+    assert by_wd[0.1]["hyper"]["betas"] == [0.8, 0.95] and by_wd[0.1]["hyper"]["lr"] == st.optimizer.param_groups[0]["lr"]
+    assert "param_groups" not in json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["metadata"]
+    shard = tmp_path / "hf" / sorted(set(index["weight_map"].values()))[0]
+    for f in (shard, tmp_path / "one.safetensors"):
+        with safe_open(str(f), "pt") as sf:
+            assert json.loads(sf.metadata()["optimizer_param_groups"]) == groups

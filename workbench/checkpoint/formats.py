@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from workbench.checkpoint.contents import inspect
 from workbench.checkpoint.manifest import CheckpointManifest
 from workbench.checkpoint.safeload import SAFETENSORS_DTYPES, CheckpointFormatError, read_torch_file
+from workbench.checkpoint.state import hyper_groups, is_packed_hyper
 from workbench.kinds import KEY_PREFIXES, checkpoint_kind
 from workbench.units import format_bytes
 
@@ -449,6 +450,12 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
     meta = {"format": "pt", "source": str(m.path), "names": names}
     if m.step is not None:
         meta["step"] = str(m.step)
+    # The optimizer's param groups (lr, betas, weight decay, ... per group of parameters) are one packed
+    # uint8 item, kept as such so that an export loads back exactly; readable JSON goes beside it, in the
+    # optimizer files' metadata, for whoever opens the export without workbench.
+    packed = [r["key"] for r in rows if is_packed_hyper(r["key"])]
+    param_groups = hyper_groups([source.get(k) for k in packed]) if packed else []
+    opt_meta = {"optimizer_param_groups": json.dumps(param_groups, sort_keys=True)} if param_groups else {}
 
     def fetch(canon: str) -> torch.Tensor:
         if canon in dequant:
@@ -495,12 +502,14 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
                     entries = [(_out_name(r["key"], kind, names), getattr(torch, r["dtype"]), tuple(r["shape"]))
                                for r in shard]
                     write_safetensors_streaming(dst / fname, entries, lambda j, _n, s=shard: fetch_counted(s[j]["key"]),
-                                                meta)
+                                                {**meta, **opt_meta} if kind == "optimizer" else meta)
                     weight_map.update({e[0]: fname for e in entries})
                     files.append(fname)
                 index = {"metadata": {"total_size": by_kind[kind], "format": "workbench-export", "names": names,
                                       "kind": kind, **({"step": m.step} if m.step is not None else {}),
-                                      **({"model": model_cfg.to_dict()} if model_cfg is not None else {})},
+                                      **({"model": model_cfg.to_dict()} if model_cfg is not None else {}),
+                                      **({"param_groups": param_groups} if kind == "optimizer" and param_groups
+                                         else {})},
                          "weight_map": weight_map}
                 (dst / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
                 files.append(f"{prefix}.safetensors.index.json")
@@ -513,7 +522,8 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
             entries = [(_out_name(r["key"], r["kind"], names), getattr(torch, r["dtype"]), tuple(r["shape"]))
                        for r in rows]
             write_safetensors_streaming(dst, entries, lambda j, _n: fetch_counted(rows[j]["key"]),
-                                        {**meta, **({"model": json.dumps(model_cfg.to_dict())} if model_cfg else {})})
+                                        {**meta, **opt_meta,
+                                         **({"model": json.dumps(model_cfg.to_dict())} if model_cfg else {})})
             files.append(dst.name)
         elif to == "torch":
             # torch.save takes one dict: this output alone holds every exported tensor in memory.

@@ -170,23 +170,28 @@ def pack_hyper(osd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def unpack_hyper(blobs: list[torch.Tensor]) -> dict[str, dict[str, Any]]:
-    """``fqn -> {name: JSON value}`` from ``hyper.*`` tensors (every rank's; they may overlap)."""
+def hyper_groups(blobs: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """The param groups of ``hyper.*`` tensors, as stored: ``[{"hyper": {name: JSON value}, "params": [fqn,
+    ...]}, ...]`` (every rank's blobs; groups may repeat). ValueError, one line, if one is unreadable."""
     import json
 
-    out: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
     for t in blobs:
         try:
             doc = json.loads(bytes(t.detach().cpu().reshape(-1).numpy().tobytes()).decode("utf-8"))
             if doc.get("format") != _FORMAT:
                 raise ValueError(f"format {doc.get('format')!r}")
             for group in doc["groups"]:
-                for fqn in group["params"]:
-                    out[fqn] = dict(group["hyper"])
+                groups.append({"hyper": dict(group["hyper"]), "params": list(group["params"])})
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"optimizer hyperparameters unreadable ({type(e).__name__}: {e}); the checkpoint is "
                              "corrupt or from a newer workbench") from None
-    return out
+    return groups
+
+
+def unpack_hyper(blobs: list[torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """``fqn -> {name: JSON value}`` from ``hyper.*`` tensors (every rank's; they may overlap)."""
+    return {fqn: dict(group["hyper"]) for group in hyper_groups(blobs) for fqn in group["params"]}
 
 
 def is_packed_hyper(key: str) -> bool:
