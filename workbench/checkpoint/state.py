@@ -391,8 +391,8 @@ class TrainState:
         torch's ``get_state_dict`` gives them, read directly where that walk is the identity: a model in one
         process with no wrapper in its names (DDP's ``module``, compile's ``_orig_mod``, activation
         checkpointing's or FSDP1's wrapper) and no DTensor, whose every optimized parameter already has
-        optimizer state made of tensors. torch's walk costs about 6 ms for the small preset's 75
-        parameters; this one 0.3 ms. None where any condition fails (then torch's walk is used)."""
+        optimizer state made of tensors. torch's walk takes 5.4 ms for the small preset's 75 parameters;
+        this one 0.36 ms. None where any condition fails (then torch's walk is used)."""
         view = self.view
         msd = view.state_dict()
         if any(part in _WRAPPER_NAMES for k in msd for part in k.split(".")) \
