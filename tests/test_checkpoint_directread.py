@@ -105,9 +105,13 @@ def test_a_truncated_shard_is_one_line_naming_the_file(saved):
 
 
 def test_a_damaged_archive_inside_a_shard_is_one_line_not_a_traceback(saved):
-    """Every item's zip end record overwritten: the direct reader cannot place them, DCP's torch.load fails;
-    the user gets one line that says what to do (the checksums, off here, would name the file)."""
-    path, _ = saved
+    """Every item's zip end record overwritten. The tensors' bytes are intact, and the spans the saver
+    recorded still locate them: with verification off, the load reads them right. Without spans (a
+    checkpoint from before them) the direct reader cannot place the items and DCP's torch.load fails: the
+    user gets one line that says what to do. With verification on, the checksum names the damaged file."""
+    import json
+
+    path, ref = saved
     shard = sorted(path.glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     pos = 0
@@ -116,11 +120,19 @@ def test_a_damaged_archive_inside_a_shard_is_one_line_not_a_traceback(saved):
         pos += 4
     shard.write_bytes(bytes(data))
     target = _state(1)
+    assert load(path, target.model, target.optimizer, verify=False).read["path"] == "direct"
+    for k, v in ref.model.state_dict().items():
+        assert torch.equal(target.model.state_dict()[k], v), k
+    manifest = path / "workbench.json"
+    doc = json.loads(manifest.read_text())
+    for entry in doc["files"].values():
+        entry.pop("spans", None)
+    manifest.write_text(json.dumps(doc))
+    target = _state(1)
     with pytest.raises(ValueError) as err:
         load(path, target.model, target.optimizer, verify=False)
     msg = str(err.value)
     assert "\n" not in msg and "could not be read" in msg and "workbench ckpt verify" in msg, msg
-    # with verification on, the checksum names the damaged file instead
     with pytest.raises(ValueError, match=shard.name):
         load(path, target.model, target.optimizer)
 

@@ -162,7 +162,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     except ValueError:
         manifest = None  # damaged: the verification below names it (or the read fails and says so)
     maps = None
-    if mmap and single and manifest is not None:
+    if (mmap or direct) and single and manifest is not None:
         from workbench.checkpoint.mmapload import map_files
 
         maps = map_files(ckpt, manifest)  # hashed through these, the tensors' pages come in with the check
@@ -191,7 +191,9 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     for kind in [k for k, v in targets.items() if isinstance(v, dict) and not _has_leaf(v)]:
         del targets[kind]
     mapped = None
-    if mmap and single and not quantized:
+    if (mmap or direct) and maps is not None and not quantized:
+        # One process, every tensor stored whole: the bytes are taken from the mapped files (a copying load
+        # copies them from there into place), without DCP's read planning.
         from workbench.checkpoint.mmapload import mapped_tensors
 
         mapped = mapped_tensors(ckpt, metadata, targets, manifest=manifest, maps=maps)
@@ -200,10 +202,14 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         from workbench.checkpoint.state import HYPER_PREFIX, unpack_hyper
 
         tensors, mstats = mapped
-        mstats_dict = {**mstats.to_dict(), "path": "mmap"}
-        # Everything is worked out while the checksums are computed; nothing changes until they match.
+        mstats_dict = {**mstats.to_dict(), "path": "mmap" if mmap else "direct"}
+        # Everything is worked out while the checksums are computed. A mapped load changes nothing until they
+        # match; a copying load copies into place meanwhile, as the read below does (the optimizer, scheduler
+        # and RNG take their values only after the match).
         opt = local_optimizer(optimizer) if optimizer is not None else None
-        actions, copied = plan_pointing(targets, tensors, state.view, opt)
+        actions, copied = plan_pointing(targets, tensors, state.view, opt, copy=not mmap)
+        if not mmap:
+            point_at(actions)
         optim = targets.get("optim")
         hyper_updates = None
         if optim is not None and not copied:
@@ -217,7 +223,8 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
             intact = _resolve_everywhere(path, group, verify=True)
             return load(intact, model, optimizer, scheduler=scheduler, ema=ema, rng=rng,
                         process_group=process_group, verify=False, direct=direct, mmap=mmap)
-        point_at(actions)
+        if mmap:
+            point_at(actions)
         targets.setdefault("extra", {})
         optim = targets.pop("optim", None)
         if optim is not None:  # the state tensors are the optimizer's own now; the hyperparameters remain

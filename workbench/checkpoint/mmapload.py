@@ -186,14 +186,15 @@ def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any], *, manifest: d
 
 
 def plan_pointing(targets: dict[str, Any], mapped: dict[str, torch.Tensor], model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer | None) -> tuple[list, int]:
+                  optimizer: torch.optim.Optimizer | None, copy: bool = False) -> tuple[list, int]:
     """What pointing the model and optimizer at ``mapped`` takes, worked out without changing anything (a
     load decides this while the checksums are still being computed, and applies it once they match):
     parameters and buffers are repointed where the target tensor is theirs (found by identity of storage),
     optimizer state tensors replaced in ``optimizer.state``, and anything else (a view the state dict made,
     a scheduler's or RNG's fresh tensor) copied into. Returns the actions for :func:`point_at` and how many
     optimizer state tensors are copied into a target that may not be the optimizer's own (then the
-    optimizer must be given the state as usual)."""
+    optimizer must be given the state as usual). ``copy``: copy every value into its target instead (a
+    copying load: the tensors keep their memory; the optimizer's own state tensors take theirs in place)."""
     params = {p.data_ptr(): p for p in model.parameters() if p.numel()}
     buffers = {b.data_ptr(): (mod, name) for mod in model.modules() for name, b in mod._buffers.items()
                if b is not None and b.numel()}
@@ -208,7 +209,10 @@ def plan_pointing(targets: dict[str, Any], mapped: dict[str, torch.Tensor], mode
         dest, src = container[sub], mapped[key]
         exact = dest.numel() and dest.is_contiguous() and dest.storage_offset() == 0 \
             and dest.untyped_storage().nbytes() == dest.numel() * dest.element_size()
-        if exact and dest.data_ptr() in params and params[dest.data_ptr()].shape == src.shape:
+        if copy:
+            actions.append(("copy", dest, None, src, None, None))
+            copied_optim += key.startswith("optim.state.") and id(dest) not in opt_state
+        elif exact and dest.data_ptr() in params and params[dest.data_ptr()].shape == src.shape:
             actions.append(("param", params[dest.data_ptr()], None, src, container, sub))
         elif exact and dest.data_ptr() in buffers:
             mod, name = buffers[dest.data_ptr()]
