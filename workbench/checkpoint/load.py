@@ -218,8 +218,8 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
                 hyper_updates = plan_hyper(opt, targets["model"], state.view, hyper)
             except Exception:  # noqa: BLE001 - unreadable bytes: decided below, after the checksums
                 hyper_updates = None
-        damaged: list[Any] = [checker.result() if checker is not None else None]
-        if damaged[0] is not None:  # nothing was repointed yet: the files are refused before any value is used
+        damaged = checker.result() if checker is not None else None
+        if damaged is not None:  # refused before anything was repointed (or any optimizer setting applied)
             intact = _resolve_everywhere(path, group, verify=True)
             return load(intact, model, optimizer, scheduler=scheduler, ema=ema, rng=rng,
                         process_group=process_group, verify=False, direct=direct, mmap=mmap)

@@ -238,7 +238,7 @@ class _HashingStream(io.RawIOBase):
 
     - ``torch.save`` writes an item in about 40 calls, all but one of them a few bytes (zip headers, the
       pickle, descriptors): those are gathered and written and hashed together, the large one goes
-      straight through. That is 12,400 calls of a 305 MB save down to about 600.
+      straight through. Measured on a 305 MB save: 12,402 calls in, 976 to the file.
     - Every :data:`WRITEBACK_BYTES` written, it starts the kernel's writeback of them
       (:func:`~workbench.checkpoint.store.start_writeback`), so the closing fsync waits for the tail only.
     - ``spans`` lists ``(offset, length)`` of every write larger than :data:`SPAN_MIN` bytes: in a tensor

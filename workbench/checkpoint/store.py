@@ -116,25 +116,17 @@ def file_digest(path: str | Path, fsync: bool = False, algo: str = "sha256") -> 
 
     ``algo``: "sha256" or "xxh3_128" (:data:`CHECKSUM`, what saves record).
     """
-    h = _HASHERS[algo]()
-    n = 0
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size and not fsync:
             # Hash the page cache's pages in place (no copy into Python bytes): half the memory traffic,
             # which matters when it runs beside a load reading the same files. The hashers release the GIL.
             with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
-                try:
-                    for i in range(0, size, _CHUNK):
-                        h.update(view[i:i + _CHUNK])
-                finally:
-                    view.release()
-            n = size
-        else:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-                n += len(chunk)
+                return buffer_digest(mm, algo)
+        h, n = _HASHERS[algo](), 0
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
         if fsync:
             os.fsync(f.fileno())
     return n, h.hexdigest()
@@ -196,8 +188,9 @@ def buffer_digest(buf, algo: str = CHECKSUM) -> tuple[int, str]:
             pass  # an older kernel: the reads below fault the pages in
     view = memoryview(buf).cast("B")
     try:
-        # In _MAPPED_CHUNK steps: each update releases the GIL once for its whole length, so a hashing
-        # thread is not left waiting for the GIL (up to 5 ms each time) while a load's thread runs Python.
+        # In _MAPPED_CHUNK steps: each update releases the GIL once for its whole length, so a hashing thread
+        # is not left waiting for the GIL each 8 MiB while a load's thread runs Python. 12 interleaved mapped
+        # loads + touch (2026-11-27): 1.34x safetensors with 256 MiB steps, 1.53x with 8 MiB steps.
         for i in range(0, len(view), _MAPPED_CHUNK):
             h.update(view[i:i + _MAPPED_CHUNK])
     finally:
