@@ -3,7 +3,7 @@
     python benchmarks/bench_memory.py            # the full grid (16 layouts), overhead, 70b, 1 GB import
     python benchmarks/bench_memory.py --quick    # 2 layouts, a short overhead run, 100 MB import
 
-Four figures, each against a baseline measured in the same run:
+Five figures, each against a baseline measured in the same run:
 
 - ``prediction``: for every layout of the grid (2 and 4 processes on CPU, mixing dp/fsdp/tp/sp/pp/ep,
   activation checkpointing, bf16 and ZeRO), a real ``workbench.launch(..., memory=True)`` run records
@@ -16,6 +16,9 @@ Four figures, each against a baseline measured in the same run:
   the 30 s target.
 - ``import``: seconds and peak RSS to import a generated snapshot of ``--import-mb`` MB (in a fresh
   process, so RSS is its own), as ratios to the 60 s and 2 GB targets.
+- ``import_padding``: MB/s of importing a 40 MB snapshot padded with DUP POP pairs (issue 27: it had no
+  answer after 150 s), as a ratio to the MB/s of a generated snapshot of the same size imported in the
+  same process (the baseline).
 
 stdout carries exactly one JSON document; progress goes to stderr.
 """
@@ -155,12 +158,36 @@ def import_snapshot(work: Path, megabytes: int) -> dict[str, Any]:
             "rss_ratio": m["rss_bytes"] / 2**31}
 
 
+def import_padding(work: Path, megabytes: int = 40) -> dict[str, Any]:
+    from workbench.memory.snapshot import write_synthetic_snapshot
+
+    real, padded = work / "real.pickle", work / "padded.pickle"
+    write_synthetic_snapshot(real, megabytes * 2**20)
+    with open(padded, "wb") as f:  # {"segments": [], "device_traces": [[]]}, DUP POP x N in the middle
+        f.write(b"\x80\x04}(\x8c\x08segments]\x8c\x0ddevice_traces]]N")
+        for _ in range(megabytes):
+            f.write(b"20" * (1 << 19))
+        f.write(b"0au.")
+    code = ("import json; from workbench.memory.snapshot import measure_import; "
+            f"print(json.dumps([measure_import(p) for p in ({str(real)!r}, {str(padded)!r}, {str(real)!r})]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "import failed")
+    first, pad, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    real_s = min(first["seconds"], second["seconds"])  # the real file twice: the first pays warm-up
+    real_mbs, pad_mbs = real.stat().st_size / real_s / 1e6, padded.stat().st_size / pad["seconds"] / 1e6
+    return {"baseline": "a generated snapshot of the same size, same process", "padded_bytes": padded.stat().st_size,
+            "padded_s": round(pad["seconds"], 3), "padded_mb_per_s": round(pad_mbs, 1), "real_s": round(real_s, 3),
+            "real_mb_per_s": round(real_mbs, 1), "ratio": round(pad_mbs / real_mbs, 2)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 layouts, a short overhead run, a 100 MB import")
     ap.add_argument("--layouts", default=None, help="comma list of grid layouts (default: all, or the quick two)")
     ap.add_argument("--import-mb", type=int, default=None, help="snapshot size to import (default 1024; quick 100)")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: grid,overhead,70b,import")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: grid,overhead,70b,import,padding")
     args = ap.parse_args()
     names = args.layouts.split(",") if args.layouts else list(QUICK if args.quick else GRID)
     unknown = [n for n in names if n not in GRID]
@@ -179,6 +206,8 @@ def main() -> int:
             doc["predict_70b"] = predict_70b()
         if "import" not in skip:
             doc["import"] = import_snapshot(work, args.import_mb or (100 if args.quick else 1024))
+        if "padding" not in skip:
+            doc["import_padding"] = import_padding(work)
     print(json.dumps(doc, indent=2))
     return 0
 

@@ -19,6 +19,12 @@ from workbench.kernels import _triton as _kernels_triton  # noqa: E402
 _kernels_triton.prepare()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--hostile-long", action="store_true", default=False,
+                     help="tests/hostile: fuzz 20 times as many inputs per format (the reliability figures of "
+                          "docs/benchmarks.md; about 20 times as long)")
+
+
 def _gpu_missing() -> str | None:
     """Why the tests marked ``gpu`` cannot run here, or None where they can."""
     import torch

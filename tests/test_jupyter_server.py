@@ -217,16 +217,20 @@ def test_open_names_the_view_of_each_file(server, files):
     assert "hostile.pt" in server.error("open", 422, path="hostile.pt")
     assert "not a workbench plan" in server.error("open", 422, path="notes.json")
     assert "(hostile)" not in server.error("open", 404, path="no/such/file")
-    assert "outside" in server.error("open", 403, path="../outside/secret.json")
-    assert "outside" in server.error("open", 403, path="escape/secret.json")  # a symlink out of the root
+    # outside the root (by .. or by a symlink) answers as a path that does not exist: the same 404, word for word
+    missing = server.error("open", 404, path="escape/no-such.json")
+    assert server.error("open", 404, path="../outside/secret.json") == missing.replace("escape/no-such.json",
+                                                                                        "../outside/secret.json")
+    assert server.error("open", 404, path="escape/secret.json") == missing.replace("no-such", "secret")
     # "/x" is "x" under the root, as in the contents API: an absolute path of the machine is not found
     assert "no such file" in server.error("open", 404, path=str(files["base"] / "outside" / "secret.json"))
     assert server.ok("open", path="/plan.json")["path"] == "plan.json"
     assert "hidden" in server.error("open", 403, path="run/checkpoints/step-000002/.metadata")
     assert "missing ?path=" in server.error("open", 400)
-    msg = server.error("open", 403, path="evil_step")  # its .metadata names data files outside the root
-    assert "outside the server's root; refusing to read it" in msg
-    assert "refusing" in server.error("checkpoint/tensor", 403, path="evil_step", key="model.tok_embeddings.weight")
+    msg = server.error("open", 404, path="evil_step")  # its .metadata names data files outside the root
+    assert "a path outside its directory" in msg and "evil_step/.metadata" in msg
+    assert "outside its directory" in server.error("checkpoint/tensor", 404, path="evil_step",
+                                                   key="model.tok_embeddings.weight")
     assert not files["marker"].exists()
 
 
@@ -279,7 +283,7 @@ def test_verify_diff_and_the_load_dry_run(server, files):
     assert d["a"] == STEP and d["b"] == "model.safetensors"
     assert d["n_added"] == 0 and d["n_removed"] > 0 and all(not k.startswith("model.") for k in d["removed"])
     assert d["n_compared"] == d["n_equal"] > 0  # the export holds the same weights, bit for bit
-    assert "outside" in server.error("checkpoint/diff", 403, path=STEP, other="../outside")
+    assert "no such file" in server.error("checkpoint/diff", 404, path=STEP, other="../outside")
     ok = server.ok("checkpoint/plan-load", path=STEP, tp=2, dp_shard=1)
     assert ok["loadable"] and ok["world_size"] == 2 and ok["reasons"] == []
     bad = server.ok("checkpoint/plan-load", path=STEP, tp=3, dp_shard=1)

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.cli_output import EXIT_FAILED, EXIT_USAGE, emit_json, error
+from workbench.cli_output import EXIT_FAILED, EXIT_USAGE, emit_json, error, unexpected
 from workbench.config import PRESETS
 
 
@@ -22,33 +22,38 @@ from workbench.config import PRESETS
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from workbench.settings import add_arguments
+    from workbench.settings import add_arguments, output_dir, ranks, seconds
 
     p = sub.add_parser("train", help="train a model on N local processes through torchrun",
                        description="Train a preset (or a Hugging Face config.json) with a parallel layout.")
     p.add_argument("model", help=f"preset ({', '.join(PRESETS)}) or a Hugging Face config.json path")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=ranks("nproc"), default=None,
                    help="processes to start on this machine (default: product of the degrees, over --nnodes)")
     nodes = p.add_argument_group("several machines", "run the same command on every node, changing only "
                                  "--node-rank (docs/multinode.md)")
-    nodes.add_argument("--nnodes", type=int, default=1, help="machines in the job; --nproc is per machine")
-    nodes.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0..nnodes-1; node 0 "
-                       "hosts the rendezvous")
+    nodes.add_argument("--nnodes", type=ranks("nnodes"), default=1,
+                       help="machines in the job; --nproc is per machine")
+    nodes.add_argument("--node-rank", type=ranks("node_rank", min=0), default=0,
+                       help="this machine's number, 0..nnodes-1; node 0 hosts the rendezvous")
     nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="node 0's address and a free port there, reachable from every node")
     nodes.add_argument("--rdzv-id", default=None, help="the job's name at the rendezvous, the same on every node "
                        "(default: workbench)")
-    nodes.add_argument("--rdzv-timeout", type=float, default=None, metavar="SECONDS",
+    nodes.add_argument("--rdzv-timeout", type=seconds("rdzv_timeout"), default=None, metavar="SECONDS",
                        help="how long a node waits for the others (default: $WORKBENCH_RDZV_TIMEOUT_S or 300)")
     add_arguments(p, ("parallel", "train"))
     add_arguments(p, "model", given_only=True)  # over the model's own values only where typed
-    p.add_argument("--out", default=None, help="run directory, one per node (default: ./runs/<time>, and "
+    p.add_argument("--out", type=output_dir, default=None, help="run directory, one per node (default: "
+                   "./runs/<time>, and "
                    "./runs/<time>-node<R> on several machines); one that already holds a run is refused "
                    "unless --resume or --overwrite is given")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out: delete its "
                    "events, config, logs, memory timelines and checkpoints (with --resume its checkpoints are "
                    "kept, to resume from)")
-    p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
+    p.add_argument("--adopt-ckpt-dir", action="store_true", help="save into a --ckpt-dir that another run "
+                   "owns, making this run its owner (its checkpoints stay and rotate with this run's)")
+    p.add_argument("--timeout", type=seconds("timeout"), default=None,
+                   help="stop the run after this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of progress")
     p.set_defaults(func=cmd_train)
 
@@ -59,11 +64,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from workbench.train.nodes import node_settings
     from workbench.train.rundir import RunDirInUse
 
-    settings = dict(nproc=args.nproc, parallel=from_args(args, "parallel"), train=from_args(args, "train"),
-                    **given(args, "model"))
     where = dict(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                  rdzv_id=args.rdzv_id, rdzv_timeout_s=args.rdzv_timeout)
     try:  # validate before anything is created or started
+        settings = dict(nproc=args.nproc, parallel=from_args(args, "parallel"), train=from_args(args, "train"),
+                        **given(args, "model"))
         multinode = node_settings(**where) is not None
         build_job(args.model, nnodes=args.nnodes, **settings)
     except ValueError as e:
@@ -71,7 +76,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Nodes sharing a file system (and a start time, under srun) must not share a run directory.
     out = args.out or str(_default_out(args.node_rank if multinode else None))
     try:
-        run = launch(args.model, out=out, overwrite=args.overwrite, **where, **settings)
+        run = launch(args.model, out=out, overwrite=args.overwrite, adopt_ckpt_dir=args.adopt_ckpt_dir, **where,
+                     **settings)
     except RunDirInUse as e:  # --out holds a run: name --resume and --overwrite
         return error(e.for_cli(), args.json)
     except ValueError as e:  # e.g. --resume: no complete checkpoint there, or it does not fit the model
@@ -242,14 +248,31 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from workbench.compat import MissingTorchAPI
 
+    as_json = getattr(args, "json", False)
     try:
         return args.func(args)
     except MissingTorchAPI as e:  # a feature this torch cannot run (workbench doctor lists them)
-        return error(f"{e}; this command needs it (see `workbench doctor`)", getattr(args, "json", False),
-                     EXIT_FAILED)
+        return error(f"{e}; this command needs it (see `workbench doctor`)", as_json, EXIT_FAILED)
     except BrokenPipeError:  # `workbench ... | head` closed stdout early: end quietly and well, like other tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
         return 0
+    except KeyboardInterrupt:
+        return error("interrupted", as_json, 130)
+    # The last word for what a command did not catch itself: one line (the traceback only under
+    # WORKBENCH_DEBUG=1), naming the command's input where the error does not name a file.
+    except ValueError as e:  # our checks' one-line messages: bad input
+        return unexpected(e, as_json, code=EXIT_USAGE, hint=False)
+    except Exception as e:  # noqa: BLE001
+        return unexpected(e, as_json, subject=_subject(args))
+
+
+def _subject(args: argparse.Namespace) -> str | None:
+    """The input a command was given (a path or a model), to name in an error that names none."""
+    for name in ("path", "src", "model", "measured", "paths", "a"):
+        value = getattr(args, name, None)
+        if value:
+            return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+    return None
 
 
 if __name__ == "__main__":

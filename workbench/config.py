@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from workbench.kernels.backend import BACKENDS as KERNEL_BACKENDS
 from workbench.schema import check as _check_settings
-from workbench.schema import setting
+from workbench.schema import setting, show
 
 __all__ = [
     "ModelConfig",
@@ -29,13 +30,35 @@ __all__ = [
 ]
 
 
+# Sanity limits (``Setting.limit``): far above any real job, low enough that a typo or a hostile config.json
+# is refused in one line before it costs minutes of planning or gigabytes of memory. Each is named in the
+# message, so a user with a real need sees which number to raise.
+MAX_RANKS = 1 << 16  # world size (and so any one degree, nproc): 4x the largest published training job (16,384 GPUs)
+MAX_LAYERS = 1024  # the deepest published decoders have ~130 layers
+MAX_WIDTH = 1 << 17  # hidden size (and head counts): published models stay under 32,768
+MAX_FFN = 1 << 20  # feed-forward width: published models stay under 65,536 (Llama 3 405B: 53,248)
+MAX_VOCAB = 1 << 22  # 4,194,304 tokens: published vocabularies stay under 300,000
+MAX_SEQ_LEN = 1 << 24  # 16,777,216 tokens per sequence
+MAX_EXPERTS = 1 << 12  # published MoE models have up to a few hundred experts
+MAX_BATCH = 1 << 24  # sequences per step
+MAX_STEPS = 10 ** 9  # optimizer steps, and step counts like warm-up and checkpoint intervals
+MAX_SEED = 2 ** 32 - 1  # seeds are mixed into generator seeds (seed * 1_000_003 + index) that must fit 64 bits
+MAX_RANKS_WHY = f"workbench plans and runs up to {MAX_RANKS:,} ranks"
+# RoPE base: the rotation frequencies are theta ** (-2i / head_dim) in float32; a base far past any model's (a
+# few billion at most, for million-token contexts) turns every frequency but the first to 0, and a 400-digit
+# one overflows inside torch.
+MAX_ROPE_THETA = 1e12
+MAX_AUX_COEF = 100.0  # the MoE load-balancing loss weight: past this it outweighs the language-model loss
+
+
+def _divisor_list(n: int) -> list[int]:
+    """The divisors of ``n`` in order, in O(sqrt(n)): n may be a batch of 2^24 sequences."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
 def _divisors(n: int) -> str:
-    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
+    return "{" + ", ".join(map(str, _divisor_list(n))) + "}"
 
 
 class _JsonMixin:
@@ -47,11 +70,15 @@ class _JsonMixin:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):
+        if not isinstance(data, dict):
+            raise ValueError(f"{cls.__name__} needs an object of fields, not {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - names)
+        unknown = sorted(map(str, set(data) - names))
         if unknown:
+            more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
             raise ValueError(
-                f"unknown {cls.__name__} field(s) {unknown}; known fields are {sorted(names)}"
+                f"unknown {cls.__name__} field(s) {[k[:60] for k in unknown[:10]]}{more}; "
+                f"known fields are {sorted(names)}"
             )
         return cls(**data)
 
@@ -65,22 +92,30 @@ class _JsonMixin:
 class ModelConfig(_JsonMixin):
     """A Llama-architecture decoder: RMSNorm, RoPE, SwiGLU feed-forward, grouped-query attention."""
 
-    name: str = "custom"
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    ffn_hidden: int = 384
-    vocab_size: int = 256
-    max_seq_len: int = 512
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = False
+    name: str = setting("custom", "the model's name (presets: their own)", cli=False)
+    dim: int = setting(128, "hidden size", min=1, limit=MAX_WIDTH, limit_why="published models stay under "
+                       "32,768", cli=False)
+    n_layers: int = setting(4, "transformer blocks", min=1, limit=MAX_LAYERS,
+                            limit_why="the deepest published decoders have ~130", cli=False)
+    n_heads: int = setting(8, "attention heads", min=1, limit=MAX_WIDTH, cli=False)
+    n_kv_heads: int = setting(4, "key/value heads (grouped-query attention)", min=1, limit=MAX_WIDTH, cli=False)
+    ffn_hidden: int = setting(384, "feed-forward width (SwiGLU)", min=1, limit=MAX_FFN,
+                              limit_why="published models stay under 65,536", cli=False)
+    vocab_size: int = setting(256, "vocabulary size", min=1, limit=MAX_VOCAB,
+                              limit_why="published vocabularies stay under 300,000", cli=False)
+    max_seq_len: int = setting(512, "longest sequence (RoPE table)", min=1, limit=MAX_SEQ_LEN, cli=False)
+    norm_eps: float = setting(1e-5, "RMSNorm epsilon", min=0, max=1, exclusive_min=True,
+                              expect="a number in (0, 1], e.g. 1e-5", cli=False)
+    rope_theta: float = setting(10000.0, "RoPE base", min=0, exclusive_min=True, limit=MAX_ROPE_THETA,
+                                limit_why="published models use 10,000 to a few billion", cli=False)
+    tie_embeddings: bool = setting(False, "share tok_embeddings' weight with the output layer", cli=False)
     # Mixture of experts: 0 = dense SwiGLU. Otherwise every layer's feed-forward is n_experts SwiGLU
     # experts of ffn_hidden each, and a router sends each token to its top_k experts.
-    n_experts: int = 0
-    top_k: int = 2
-    router_aux_coef: float = 0.01
+    n_experts: int = setting(0, "experts per layer", min=0, limit=MAX_EXPERTS, expect="0 (dense) or a positive "
+                             "integer", limit_why="published MoE models have a few hundred", cli=False)
+    top_k: int = setting(2, "experts per token", min=1, limit=MAX_EXPERTS, cli=False)
+    router_aux_coef: float = setting(0.01, "load-balancing loss weight", min=0, limit=MAX_AUX_COEF,
+                                     limit_why="published MoE models weight it 0.001 to 0.1", cli=False)
     # Residual dropout: each block's two residual adds are residual + dropout(branch, p) in training,
     # fused and mask-free (workbench.kernels.dropout); 0 keeps the plain adds.
     dropout: float = setting(0.0, "residual dropout probability (the fused dropout+add kernel)", min=0, max=1,
@@ -91,11 +126,7 @@ class ModelConfig(_JsonMixin):
 
     def __post_init__(self) -> None:
         _check_settings(self)
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
-            _positive_int(name, getattr(self, name))
-        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
-            raise ValueError(f"n_experts={self.n_experts!r} must be 0 (dense) or a positive integer")
-        if self.n_experts and not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_experts):
+        if self.n_experts and not self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k!r} must be between 1 and n_experts={self.n_experts}")
         if self.dim % self.n_heads:
             raise ValueError(
@@ -131,7 +162,12 @@ class ModelConfig(_JsonMixin):
 
     @classmethod
     def from_hf_config(cls, path_or_dict: str | Path | dict[str, Any], name: str | None = None) -> "ModelConfig":
-        """Read a Hugging Face ``config.json`` of a Llama-architecture model. Only dims are read; no weights."""
+        """Read a Hugging Face ``config.json`` of a Llama-architecture model. Only dims are read; no weights.
+
+        The file may be anything: only a regular file of at most ``workbench.safeio.CONFIG_MAX`` bytes is read,
+        and a value of the wrong type or beyond a setting's range or limit is one ValueError naming the file
+        and the key.
+        """
         if isinstance(path_or_dict, dict):
             hf = path_or_dict
             source = "config"
@@ -140,35 +176,61 @@ class ModelConfig(_JsonMixin):
             if p.is_dir():
                 p = p / "config.json"
             source = str(p)
-            try:
-                hf = json.loads(p.read_text())
-            except FileNotFoundError:
-                raise ValueError(f"{source}: no such file; pass a preset name or a Hugging Face config.json") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{source}: not valid JSON ({e.msg} at line {e.lineno}); fix or re-download the file") from None
+            hf = _read_json_object(p)
+        if not isinstance(hf, dict):
+            raise ValueError(f"{source}: holds a JSON {type(hf).__name__}, not an object of settings; pass a "
+                             "Hugging Face config.json")
         model_type = hf.get("model_type", "llama")
         if model_type not in ("llama", "mistral"):
             raise ValueError(
-                f"{source}: model_type={model_type!r} is not a Llama-architecture model; "
+                f"{source}: model_type={show(model_type)} is not a Llama-architecture model; "
                 "supported model_type values are 'llama' and 'mistral'"
             )
         required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
         missing = [k for k in required if k not in hf]
         if missing:
             raise ValueError(f"{source}: missing key(s) {missing}; a Llama config.json needs {required}")
-        return cls(
-            name=name or hf.get("_name_or_path") or Path(source).parent.name or "hf",
-            dim=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"],
-            n_heads=hf["num_attention_heads"],
-            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            ffn_hidden=hf["intermediate_size"],
-            vocab_size=hf["vocab_size"],
-            max_seq_len=hf.get("max_position_embeddings", 4096),
-            norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=hf.get("rope_theta", 10000.0),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        )
+        fields = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+                  "n_kv_heads": "num_key_value_heads", "ffn_hidden": "intermediate_size", "vocab_size": "vocab_size",
+                  "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+                  "tie_embeddings": "tie_word_embeddings", "name": "_name_or_path"}
+        path_name = hf.get("_name_or_path")
+        try:
+            return cls(
+                name=name or (path_name if isinstance(path_name, str) and path_name else None)
+                or Path(source).parent.name or "hf",
+                dim=hf["hidden_size"],
+                n_layers=hf["num_hidden_layers"],
+                n_heads=hf["num_attention_heads"],
+                n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                ffn_hidden=hf["intermediate_size"],
+                vocab_size=hf["vocab_size"],
+                max_seq_len=hf.get("max_position_embeddings", 4096),
+                norm_eps=hf.get("rms_norm_eps", 1e-5),
+                rope_theta=hf.get("rope_theta", 10000.0),
+                tie_embeddings=hf.get("tie_word_embeddings", False),
+            )
+        except ValueError as e:  # the setting's own message, in the file's words: hidden_size=..., not dim=...
+            msg = str(e)
+            field_name = msg.split("=", 1)[0]
+            if field_name in fields and (" must be " in msg or " is over the limit " in msg):  # one field's own
+                msg = re.sub(rf"\b{field_name}\b", fields[field_name], msg)
+            raise ValueError(f"{source}: {msg}") from None
+
+
+def _read_json_object(p: Path, what: str = "a Hugging Face config.json") -> Any:
+    """A config.json's JSON through the safe-reader layer (:mod:`workbench.safeio`): a regular file of at
+    most ``CONFIG_MAX`` bytes (a FIFO would block the open, /dev/zero never ends), UTF-8, not nested past
+    the parser's depth; one ValueError naming the file otherwise."""
+    from workbench.safeio import CONFIG_MAX, FileRefused, read_json
+
+    fix_missing = f"pass a preset name or {what}" if "Hugging Face" in what else f"pass {what}"
+    try:
+        return read_json(p, CONFIG_MAX, "config.json", fix="fix or re-download the file", fix_missing=fix_missing)
+    except FileRefused:
+        raise
+    except ValueError:  # an integer of more digits than Python converts (sys.set_int_max_str_digits)
+        raise ValueError(f"{p}: holds a number too long to be a setting; fix or re-download the file") from None
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -220,17 +282,20 @@ class ParallelConfig(_JsonMixin):
 
     settings_group = "parallel layout"  # the argparse group of these settings (not a field)
 
-    dp_replicate: int = setting(1, "replicated data-parallel degree (DDP / HSDP)", min=1)
+    dp_replicate: int = setting(1, "replicated data-parallel degree (DDP / HSDP)", min=1, limit=MAX_RANKS,
+                                limit_why=MAX_RANKS_WHY)
     dp_shard: int = setting(-1, "sharded data-parallel degree (FSDP2)", min=1,
-                            special={-1: "the rest of nproc"})
-    tp: int = setting(1, "tensor-parallel degree", min=1)
-    pp: int = setting(1, "pipeline-parallel degree (stages over ranks, outermost)", min=1)
-    ep: int = setting(1, "expert-parallel degree (MoE models; taken from dp_shard)", min=1)
+                            special={-1: "the rest of nproc"}, limit=MAX_RANKS, limit_why=MAX_RANKS_WHY)
+    tp: int = setting(1, "tensor-parallel degree", min=1, limit=MAX_RANKS, limit_why=MAX_RANKS_WHY)
+    pp: int = setting(1, "pipeline-parallel degree (stages over ranks, outermost)", min=1, limit=MAX_RANKS,
+                      limit_why=MAX_RANKS_WHY)
+    ep: int = setting(1, "expert-parallel degree (MoE models; taken from dp_shard)", min=1, limit=MAX_RANKS,
+                      limit_why=MAX_RANKS_WHY)
     sequence_parallel: bool = setting(False, "sequence parallel (needs tp > 1)", flag="--sp",
                                       aliases=("--sequence-parallel",))
     pp_schedule: str = setting("1F1B", "pipeline schedule (GPipeLean: GPipe that frees outputs and buffers "
                                "early)", choices=PP_SCHEDULES)
-    microbatches: int | None = setting(None, "pipeline microbatches per step", min=1, none="pp")
+    microbatches: int | None = setting(None, "pipeline microbatches per step", min=1, none="pp", limit=MAX_BATCH)
     zero: int = setting(3, "ZeRO stage of dp_shard: 0 DDP, 1 +sharded optimizer state, 2 FSDP2 keeping params "
                         "gathered from forward to backward, 3 FSDP2 resharding after forward",
                         choices=ZERO_STAGES, choose="a ZeRO stage in")
@@ -239,9 +304,20 @@ class ParallelConfig(_JsonMixin):
         _check_settings(self)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1; set tp=2 or more, or turn sequence_parallel off")
+        fixed = self.dp_replicate * self.tp * self.pp
+        world = fixed * (1 if self.dp_shard == -1 else self.dp_shard)
+        if world > MAX_RANKS:  # each degree is within the limit, their product need not be
+            what = "dp_replicate*tp*pp" if self.dp_shard == -1 else "dp_replicate*dp_shard*tp*pp"
+            raise ValueError(f"{what}={world:,} ranks is over the limit of {MAX_RANKS:,} ({MAX_RANKS_WHY}); "
+                             "choose smaller degrees")
 
     def resolved(self, nproc: int | None = None) -> "ParallelConfig":
         """Fill in ``dp_shard=-1`` from ``nproc`` (default: 1). Raises if the degrees cannot fill nproc."""
+        if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+            raise ValueError(f"nproc={show(nproc)} must be a positive integer (the processes of the job)")
+        if nproc is not None and nproc > MAX_RANKS:
+            raise ValueError(f"nproc={nproc} is over the limit of {MAX_RANKS:,} ({MAX_RANKS_WHY}); "
+                             f"choose nproc <= {MAX_RANKS}")
         fixed = self.dp_replicate * self.tp * self.pp
         if self.dp_shard == -1:
             n = fixed if nproc is None else nproc
@@ -333,17 +409,17 @@ class TrainConfig(_JsonMixin):
 
     settings_group = "training"  # the argparse group of these settings (not a field)
 
-    steps: int = setting(20, "optimizer steps", min=1)
-    global_batch: int = setting(8, "sequences per step, whatever the layout", min=1)
+    steps: int = setting(20, "optimizer steps", min=1, limit=MAX_STEPS)
+    global_batch: int = setting(8, "sequences per step, whatever the layout", min=1, limit=MAX_BATCH)
     micro_batch: int | None = setting(None, "sequences per data-parallel rank per forward (gradient accumulation)",
-                                      min=1, none="global_batch / dp, no accumulation")
-    seq_len: int = setting(64, "tokens per sequence", min=1)
+                                      min=1, none="global_batch / dp, no accumulation", limit=MAX_BATCH)
+    seq_len: int = setting(64, "tokens per sequence", min=1, limit=MAX_SEQ_LEN)
     lr: float = setting(3e-3, "peak learning rate (AdamW)", min=0, exclusive_min=True)
     weight_decay: float = setting(0.1, "AdamW weight decay", min=0)
-    warmup_steps: int = setting(0, "linear learning-rate warm-up steps", min=0)
+    warmup_steps: int = setting(0, "linear learning-rate warm-up steps", min=0, limit=MAX_STEPS)
     grad_clip: float = setting(1.0, "clip the global gradient norm to this", min=0, off="0 turns clipping off",
                                expect=">= 0")
-    seed: int = setting(0, "seed of the model initialisation and the data order")
+    seed: int = setting(0, "seed of the model initialisation and the data order", min=0, max=MAX_SEED)
     dtype: str = setting("float32", "parameter (master weight) dtype", choices=DTYPES)
     data: str = setting("synthetic", "training data", choices=DATASETS)
     mixed_precision: str = setting("none", "bf16: compute in bfloat16, keep fp32 master weights, gradients reduced "
@@ -351,7 +427,7 @@ class TrainConfig(_JsonMixin):
     activation_checkpointing: str = setting("none", "recompute activations in backward: every block (full) or "
                                             "every ac_every-th (selective)", choices=AC_MODES, flag="--ac",
                                             aliases=("--activation-checkpointing",))
-    ac_every: int = setting(2, "selective checkpointing: every K-th block", min=1, metavar="K")
+    ac_every: int = setting(2, "selective checkpointing: every K-th block", min=1, metavar="K", limit=MAX_LAYERS)
     kernels: str = setting("auto", "our custom ops' implementation: triton kernels, the torch reference, or "
                            "auto (Triton on CUDA, torch elsewhere); the choice made is recorded in config.json",
                            choices=KERNEL_BACKENDS)
@@ -376,14 +452,14 @@ class TrainConfig(_JsonMixin):
     # Checkpoints (workbench.checkpoint). keep: the newest K checkpoints (None = all), plus every
     # keep_every-th step.
     ckpt_every: int = setting(0, "save a checkpoint every N steps", min=0, off="0 turns it off",
-                              metavar="N", group="checkpoints")
+                              metavar="N", group="checkpoints", limit=MAX_STEPS)
     ckpt_async: bool = setting(False, "write checkpoints in the background after a host copy", group="checkpoints")
     zero_stall: bool = setting(False, "snapshot to host memory every step, persist every ckpt_every steps",
                                group="checkpoints")
     keep: int | None = setting(None, "keep the newest K checkpoints", min=1, none="all", metavar="K",
-                               group="checkpoints")
+                               group="checkpoints", limit=MAX_STEPS)
     keep_every: int = setting(0, "also keep every N-th step forever", min=0, off="0 turns it off", metavar="N",
-                              group="checkpoints")
+                              group="checkpoints", limit=MAX_STEPS)
     ckpt_quant: str = setting("none", "store Adam's moments quantized with block-wise scales (int8: the "
                               "optimizer state in about 0.26 of its fp32 bytes); resuming dequantizes",
                               choices=("none", "int8", "fp8"), group="checkpoints")
@@ -475,7 +551,7 @@ def _validate_pp(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
                          "microbatches itself; drop micro_batch and set microbatches")
     local = train.global_batch // parallel.dp
     if train.global_batch % parallel.dp == 0 and local % mb:
-        ok = [d for d in range(1, local + 1) if local % d == 0 and (sched in ("GPipe", "GPipeLean") or d >= pp)]
+        ok = [d for d in _divisor_list(local) if sched in ("GPipe", "GPipeLean") or d >= pp]
         raise ValueError(f"global_batch={train.global_batch} over dp={parallel.dp} gives {local} sequences per "
                          f"pipeline, not divisible by microbatches={mb}; choose microbatches in "
                          "{" + ", ".join(map(str, ok)) + "}")
@@ -575,6 +651,9 @@ class JobConfig(_JsonMixin):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
+        if not isinstance(data, dict) or not all(isinstance(data.get(k), dict) for k in ("model", "parallel", "train")):
+            raise ValueError("a job config needs objects 'model', 'parallel' and 'train' (as a run's config.json "
+                             "has them)")
         return cls(
             model=ModelConfig.from_dict(data["model"]),
             parallel=ParallelConfig.from_dict(data["parallel"]),
@@ -587,4 +666,14 @@ class JobConfig(_JsonMixin):
 
     @classmethod
     def load(cls, path: str | Path) -> "JobConfig":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A run's ``config.json``; one ValueError naming the file if it is not one. Read as a file of its run
+        directory (:func:`workbench.safeio.confine`): a link that leads out of that directory is refused."""
+        from workbench.safeio import confine
+
+        path = Path(path)
+        try:
+            return cls.from_dict(_read_json_object(confine(path.parent, path.name, path.parent, "run config"),
+                                                   what="a run's config.json"))
+        except ValueError as e:
+            msg = str(e)
+            raise ValueError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None

@@ -12,13 +12,17 @@ from the same declarations (the notebook controls come from ``workbench.widgets.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-__all__ = ["Setting", "setting", "check", "check_value", "settings_of", "kind_of", "METADATA_KEY"]
+__all__ = ["Setting", "setting", "check", "check_value", "settings_of", "kind_of", "show", "bounded", "seconds",
+           "METADATA_KEY"]
 
 METADATA_KEY = "workbench"
 _TRUE = ("1", "true", "yes", "on")
@@ -29,7 +33,11 @@ _FALSE = ("0", "false", "no", "off")
 class Setting:
     """What a config field means to people: its help, allowed values and command-line spelling.
 
-    ``min``/``max`` bound numbers (``exclusive_min``/``exclusive_max`` leave the bound out);
+    ``min``/``max`` bound numbers (``exclusive_min``/``exclusive_max`` leave the bound out); ``limit`` is
+    a sanity bound above the range's meaning (``n_layers`` up to 1024, a world of up to 65,536 ranks), so a
+    typo or a hostile file is refused before it costs minutes or gigabytes, with ``limit_why`` saying why
+    in the message (``n_layers=100000 is over the limit of 1,024 (the deepest published decoders have
+    ~130); choose n_layers <= 1024``);
     ``special`` lists values allowed outside the range with their meaning (``{-1: "the rest of nproc"}``);
     ``none`` says what ``None`` means for an optional field; ``off`` is appended to range errors
     (``"0 turns it off"``); ``expect`` replaces the generated "must be ..." phrase. ``flag`` is the
@@ -42,6 +50,8 @@ class Setting:
     choices: tuple = ()
     min: float | None = None
     max: float | None = None
+    limit: float | None = None
+    limit_why: str = ""
     exclusive_min: bool = False
     exclusive_max: bool = False
     special: Mapping[Any, str] = field(default_factory=dict)
@@ -132,37 +142,101 @@ def _canonical(value: Any, choices: tuple) -> Any:
     return value
 
 
+_SHOW_CHARS = 60  # a value echoed in a message: a 10 MB string from a config.json is not repeated whole
+
+
+def show(value: Any) -> str:
+    """``repr(value)``, cut to a readable length (values may come from a hostile file)."""
+    if isinstance(value, (list, tuple, dict, set)):  # repr of a deeply nested list recurses: name it instead
+        return f"<a {type(value).__name__} of {len(value)} item(s)>"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 100:
+        return f"<an integer of {value.bit_length()} bits>"  # repr of a huge int is slow (and capped since 3.11)
+    text = repr(value)
+    return text if len(text) <= _SHOW_CHARS else text[:_SHOW_CHARS - 3] + "..."
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
 def check_value(name: str, value: Any, kind: str, optional: bool, s: Setting) -> Any:
     """The value in canonical form, or one ValueError naming the field, the value and what is allowed."""
     if value is None and optional:
         return None
     if s.choices:
         value = _canonical(value, s.choices)
-        ok = value in s.choices and (kind != "int" or not isinstance(value, bool))
+        ok = _hashable(value) and value in s.choices and (kind != "int" or not isinstance(value, bool))
         if not ok:
-            raise ValueError(f"{name}={value!r} is unknown; choose {s.choose} {list(s.choices)}")
+            raise ValueError(f"{name}={show(value)} is unknown; choose {s.choose} {list(s.choices)}")
         return value
-    if s.special and not isinstance(value, bool) and value in s.special:
+    if s.special and not isinstance(value, bool) and _hashable(value) and value in s.special:
         return value
     if kind == "bool":
         if not isinstance(value, bool):
-            raise ValueError(f"{name}={value!r} must be True or False")
+            raise ValueError(f"{name}={show(value)} must be True or False")
         return value
     if kind == "str":
+        if isinstance(value, os.PathLike):  # a path setting given as a Path: stored as its text
+            value = os.fspath(value)
         if not isinstance(value, str):
-            raise ValueError(f"{name}={value!r} must be text")
+            raise ValueError(f"{name}={show(value)} must be text")
         return value
     if kind == "int":
         ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    else:  # NaN compares False with everything, so it is refused here rather than slipping past min/max
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            # an int (JSON's 1e400 written out) is finite, but one past float's range overflows wherever it is
+            # used as the float it stands for (isfinite(10**400) itself raises OverflowError)
+            abs(value) <= sys.float_info.max if isinstance(value, int) else math.isfinite(value))
     if ok and s.min is not None:
         ok = value > s.min if s.exclusive_min else value >= s.min
     if ok and s.max is not None:
         ok = value < s.max if s.exclusive_max else value <= s.max
     if not ok:
-        raise ValueError(f"{name}={value!r} must be {_range_phrase(kind, s)}" + (f" ({s.off})" if s.off else ""))
+        raise ValueError(f"{name}={show(value)} must be {_range_phrase(kind, s)}" + (f" ({s.off})" if s.off else ""))
+    if s.limit is not None and value > s.limit:
+        why = f" ({s.limit_why})" if s.limit_why else ""
+        raise ValueError(f"{name}={show(value)} is over the limit of {_number(s.limit)}{why}; "
+                         f"choose {name} <= {_number(s.limit, commas=False)}")
     return value
+
+
+def _number(x: float, commas: bool = True) -> str:
+    if float(x).is_integer():
+        return f"{int(x):,}" if commas else str(int(x))
+    return f"{x:g}"
+
+
+def bounded(kind: str, name: str, **limits: Any):
+    """An argparse ``type`` for a flag outside the configs, checked like a setting:
+    ``p.add_argument("--bins", type=bounded("int", "bins", min=0, limit=MAX_BINS))``. A value out of
+    range fails at parse time, before any work, with the setting's one-line message (``bins=-3 must be
+    an integer >= 0``); ``nan``/``inf`` never pass as a float."""
+    s = Setting(help="", **limits)
+    parse = {"int": int, "float": float}[kind]
+
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            noun = "an integer" if kind == "int" else "a number"
+            raise argparse.ArgumentTypeError(f"{name}={text[:60]!r} is not {noun}") from None
+        try:
+            return check_value(name, value, kind, False, s)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = kind
+    return convert
+
+
+def seconds(name: str):
+    """An argparse ``type`` for a duration: a positive finite number of seconds (not 0, -1, nan or inf)."""
+    return bounded("float", name, min=0, exclusive_min=True, expect="a positive finite number of seconds")
 
 
 def check(obj: Any) -> None:

@@ -19,6 +19,8 @@ Everything else is generated from it, so a new setting is one edit with one defa
   or ``"--dp-shard 2 --tp 2 --sp"``.
 - :func:`make_configs`: keyword shortcuts (``launch("tiny", tp=2, steps=20)``) routed to the configs.
 - ``workbench.widgets.controls``: the notebook controls (the view layer; the core never imports it).
+- :func:`bounded`, :func:`ranks`, :func:`seconds`, :func:`output_dir`: argparse types for the flags outside
+  the configs (``--nproc``, ``--timeout``, ``--bins``, ``--out``), checked like a setting at parse time.
 
 Config classes are looked up by section name (``"parallel"``, ``"train"``, ``"model"``: the fields of
 ``JobConfig``) in :mod:`workbench.config` each time, never captured at import.
@@ -31,8 +33,8 @@ import dataclasses
 import re
 from typing import Any, Iterable, Mapping
 
-from workbench.schema import (_FALSE, _TRUE, METADATA_KEY, Setting, check, kind_of, setting,  # noqa: F401
-                              settings_of)
+from workbench.schema import (_FALSE, _TRUE, METADATA_KEY, Setting, bounded, check, kind_of,  # noqa: F401
+                              seconds, setting, settings_of)
 
 SECTIONS = {"parallel": "ParallelConfig", "train": "TrainConfig", "model": "ModelConfig"}
 
@@ -50,6 +52,10 @@ __all__ = [
     "parse_layout",
     "split_settings",
     "make_configs",
+    "bounded",
+    "ranks",
+    "seconds",
+    "output_dir",
 ]
 
 def config_class(section: "str | type") -> type:
@@ -131,6 +137,30 @@ def add_arguments(parser: argparse.ArgumentParser, sections: "str | type | Itera
         group.add_argument(*s.flags(f.name), **kw)
         names.append(f.name)
     return names
+
+
+def ranks(name: str, min: int = 1):
+    """An argparse ``type`` for a count or number of ranks (``--nproc``, ``--rank``): an integer from ``min``
+    to the world-size limit (``workbench.config.MAX_RANKS``)."""
+    from workbench.config import MAX_RANKS, MAX_RANKS_WHY
+
+    return bounded("int", name, min=min, limit=MAX_RANKS, limit_why=MAX_RANKS_WHY)
+
+
+def output_dir(text: str) -> str:
+    """An argparse ``type`` for ``--out DIR``: refused at parse time, before any work, when the path or one
+    of its parents is an existing file (whether it can be written is the job's own check)."""
+    from pathlib import Path
+
+    p = Path(text)
+    for q in (p, *p.parents):
+        if q.exists() and not q.is_dir():
+            what = "is" if q == p else f"lies under {q}, which is"
+            raise argparse.ArgumentTypeError(f"{text}: {what} a file, not a directory; pass a directory path "
+                                             "(new or existing)")
+        if q.exists():
+            break
+    return text
 
 
 def given(args: argparse.Namespace, section: "str | type") -> dict[str, Any]:

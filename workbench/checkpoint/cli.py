@@ -14,11 +14,10 @@ Every command takes ``--json`` (one JSON document on stdout). A bad file prints 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Callable
 
-from workbench.cli_output import EXIT_FAILED, EXIT_USAGE, emit_json, error
+from workbench.cli_output import EXIT_FAILED, EXIT_USAGE, describe_exception, emit_json, error, unexpected
 from workbench.kinds import CHECKPOINT_KINDS, checkpoint_kind
 from workbench.units import format_bytes
 
@@ -38,20 +37,26 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
         except CheckpointFormatError as e:
             return error(str(e), args.json, EXIT_FAILED)
         except (ValueError, KeyError, FileExistsError) as e:
-            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            if isinstance(e, OSError) and e.errno is not None:  # "[Errno 17] File exists: 'x'" in words
+                msg = describe_exception(e)
+            else:
+                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
             return error(str(msg), args.json, EXIT_USAGE)
         except KeyboardInterrupt:
             return error("interrupted", args.json, 130)
         except BrokenPipeError:  # `workbench ckpt inspect RUN | head`: workbench.cli.main ends quietly, exit 0
             raise
-        except (Exception, CheckpointException) as e:  # a bug or an unforeseen file: one line, traceback on request
-            if os.environ.get("WORKBENCH_DEBUG"):
-                raise
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            return error(f"{type(e).__name__}: {first}; set WORKBENCH_DEBUG=1 for the traceback", args.json,
-                          EXIT_FAILED)
+        except (Exception, CheckpointException) as e:  # a bug or an unforeseen file: one line naming the
+            # checkpoint (or the file the error names) and the problem in words; the traceback on request
+            return unexpected(e, args.json, subject=_inputs(args))
 
     return run
+
+
+def _inputs(args: argparse.Namespace) -> str | None:
+    """The checkpoint(s) a command was given, for an error that names no file of its own."""
+    names = [str(getattr(args, k)) for k in ("path", "src", "a", "b") if getattr(args, k, None)]
+    return " vs ".join(names) if names else None
 
 
 def _progress(args: argparse.Namespace) -> bool:
@@ -198,10 +203,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from workbench.checkpoint.formats import export
+    from workbench.disk import StorageError
 
     include = ["model"] + [checkpoint_kind(k) for k in (args.include or "").split(",") if k.strip()]
-    result = export(args.src, args.dst, to=args.to, include=include, max_shard_size=args.max_shard_size,
-                    names=args.names, overwrite=args.force, progress=_progress(args), keep_quant=args.keep_quant)
+    try:
+        result = export(args.src, args.dst, to=args.to, include=include, max_shard_size=args.max_shard_size,
+                        names=args.names, overwrite=args.force, progress=_progress(args), keep_quant=args.keep_quant)
+    except StorageError as e:  # no room, read-only, no permission: said in words (DST is left as it was)
+        return error(str(e), args.json, EXIT_FAILED)
     if args.json:
         emit_json({"status": "ok", **result.to_dict()})
     else:
@@ -235,6 +244,9 @@ def cmd_plan_load(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from workbench.checkpoint.stats import MAX_BINS
+    from workbench.settings import bounded
+
     p = sub.add_parser("ckpt", help="inspect, verify, diff, convert and plan-load checkpoints",
                        description="Checkpoint tools. Metadata and headers are read safely (no pickle is executed).")
     cmds = p.add_subparsers(dest="ckpt_command", required=True, parser_class=type(p))
@@ -250,7 +262,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--kind", type=checkpoint_kind, choices=CHECKPOINT_KINDS, metavar="{" + ",".join(CHECKPOINT_KINDS) + "}",
                    help="only this kind")
     c.add_argument("--filter", help="only keys containing this text")
-    c.add_argument("--limit", type=int, default=30, help="rows to print (default 30)")
+    c.add_argument("--limit", type=bounded("int", "limit", min=0), default=30, help="rows to print (default 30)")
     c.add_argument("--all", action="store_true", help="print every row")
     c.add_argument("--shards", action="store_true", help="with --json: include every shard (file, rank, block)")
 
@@ -261,14 +273,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c = add("diff", cmd_diff, "compare two checkpoints: keys, shapes, dtypes, and the largest value changes")
     c.add_argument("a")
     c.add_argument("b")
-    c.add_argument("--top", type=int, default=10, help="how many of the largest changes to show")
+    c.add_argument("--top", type=bounded("int", "top", min=0), default=10,
+                   help="how many of the largest changes to show")
     c.add_argument("--kind", help=f"comma-separated kinds to compare, of {','.join(CHECKPOINT_KINDS)} (default: all)")
     c.add_argument("--no-values", action="store_true", help="metadata only: read no tensors")
 
     c = add("stats", cmd_stats, "statistics and a histogram of one tensor (only it is read)")
     c.add_argument("path", help="any checkpoint path inspect accepts")
     c.add_argument("key", help="the tensor's key, as inspect lists it")
-    c.add_argument("--bins", type=int, default=20, help="histogram bins (0: none; default 20)")
+    c.add_argument("--bins", type=bounded("int", "bins", min=0, limit=MAX_BINS,
+                                          limit_why="more than a histogram can show"), default=20,
+                   help=f"histogram bins (0: none; up to {MAX_BINS:,}; default 20)")
     c.add_argument("--log", action="store_true",
                    help="histogram of log10 |x| (zeros left out): for values spanning decades, like exp_avg_sq")
 
@@ -283,7 +298,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="hf shards up to this size (default 2GiB; 2GB means 2*10^9 bytes, as Hugging Face counts)")
     c.add_argument("--names", choices=["workbench", "hf-llama"], default="workbench",
                    help="weight names: this model's FQNs, or Hugging Face Llama names (q/k permuted for RoPE)")
-    c.add_argument("--force", action="store_true", help="replace DST if it exists")
+    c.add_argument("--force", action="store_true", help="replace DST if it exists and is a file, an empty "
+                   "directory or an earlier export (never the source, nor a directory holding anything else); "
+                   "the new export takes its place only once it is complete")
     c.add_argument("--keep-quant", action="store_true", help="optimizer state saved quantized (--ckpt-quant): "
                    "export it as stored (<key>.q + <key>.qscale) instead of dequantized to fp32")
 

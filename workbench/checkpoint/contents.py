@@ -20,19 +20,19 @@ import json
 import math
 import os
 import re
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
 
+from workbench import safeio
 from workbench.checkpoint.manifest import CheckpointManifest, classify
 from workbench.checkpoint.store import LATEST, CheckpointStore, resolve_checkpoint
-from workbench.checkpoint.safeload import (SAFETENSORS_DTYPES, CheckpointFormatError, read_dcp_metadata,
-                                           read_safetensors_header, read_torch_file)
+from workbench.checkpoint.safeload import (SAFETENSORS_DTYPES, CheckpointFormatError, is_zip_archive,
+                                           read_dcp_metadata, read_safetensors_header, read_torch_file)
 
-__all__ = ["inspect", "identify", "dcp_file_rank"]
+__all__ = ["inspect", "identify", "dcp_file_rank", "read_hf_index"]
 
 _DISTCP = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _NOT_A_CHECKPOINT = ("pass a run directory, its checkpoints/ directory, a step-NNNNNN directory, a DCP directory, "
@@ -49,13 +49,15 @@ def identify(path: str | os.PathLike) -> tuple[str, Path]:
     """``(format, path)`` for any accepted path (see the module docstring); CheckpointFormatError if none."""
     p = Path(path)
     if not p.exists():
-        raise CheckpointFormatError(p, "no such file or directory", "check the path")
+        raise CheckpointFormatError(p, "no such file or directory", "check the path", reason="missing")
+    if not p.is_dir():
+        safeio.regular_size(p, "checkpoint file", error=CheckpointFormatError)  # a FIFO or device: refused
     if p.is_file():
-        if p.name == "latest":
-            target = p.parent / p.read_text().strip()
-            if not target.is_dir():
-                raise CheckpointFormatError(p, f"points at {target.name!r}, which does not exist",
-                                            "pass one of the step-* directories next to it")
+        if p.name == "latest":  # the step it names, next to it (CheckpointStore reads and checks the pointer)
+            target = CheckpointStore(p.parent).newest_any()
+            if target is None:
+                raise CheckpointFormatError(p, "names no step directory", "pass one of the step-* directories "
+                                            "next to it")
             return identify(target)
         if p.name == ".metadata":
             return identify(p.parent)
@@ -65,9 +67,9 @@ def identify(path: str | os.PathLike) -> tuple[str, Path]:
             return "safetensors", p
         if p.name == "workbench.json":
             return identify(p.parent)
-        if zipfile.is_zipfile(p):
+        if is_zip_archive(p):
             return "torch", p
-        with open(p, "rb") as f:
+        with safeio.open_regular(p, "checkpoint file", error=CheckpointFormatError) as f:
             head = f.read(8)
         if len(head) == 8 and int.from_bytes(head, "little") < p.stat().st_size:  # an unsuffixed safetensors?
             try:
@@ -146,40 +148,62 @@ def _read_dcp(root: Path) -> tuple[list[dict], list[str]]:
     return rows, files
 
 
-def _safetensors_rows(file: Path, rel: str) -> list[dict]:
+def _safetensors_rows(file: Path, rel: str) -> tuple[list[dict], dict[str, str]]:
+    """The rows of one safetensors file, and its ``__metadata__`` (one read of its header)."""
     header, start = read_safetensors_header(file)
+    names = {code: _dtype_name(dtype) for code, dtype in SAFETENSORS_DTYPES.items()}
     rows = []
     for key, e in header.items():
         if key == "__metadata__":
             continue
-        dtype = SAFETENSORS_DTYPES[e["dtype"]]
+        shape = tuple(e["shape"])  # checked by read_safetensors_header: non-negative ints
         b, end = e["data_offsets"]
-        shards = [{"file": rel, "rank": None, "offsets": [0] * len(e["shape"]), "lengths": list(e["shape"]),
+        shards = [{"file": rel, "rank": None, "offsets": [0] * len(shape), "lengths": list(shape),
                    "byte_offset": start + b, "byte_length": end - b}]
-        rows.append(_row(key, _dtype_name(dtype), e["shape"], end - b, classify(key, True), shards))
-    return rows
+        rows.append({"key": key, "dtype": names[e["dtype"]], "shape": shape, "bytes": end - b,
+                     "kind": classify(key, True), "shards": shards})
+    return rows, header.get("__metadata__") or {}
+
+
+def read_hf_index(index: Path) -> dict[str, Any]:
+    """An HF ``*.safetensors.index.json`` (inside its directory, a regular file of at most
+    ``safeio.INDEX_MAX`` bytes), checked: ``weight_map`` maps key names to file names, ``metadata`` is an
+    object. The file names are not yet checked against the directory (the reader confines each)."""
+    fix = "re-export the checkpoint"
+    doc = safeio.read_json(safeio.confine(index.parent, index.name, what="index", error=CheckpointFormatError),
+                           safeio.INDEX_MAX, "safetensors index", error=CheckpointFormatError, fix=fix)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointFormatError(index, "not a safetensors index (needs a JSON object with a weight_map of "
+                                    "file names)", fix)
+    if not isinstance(doc.get("metadata") or {}, dict):
+        raise CheckpointFormatError(index, "its metadata is not a JSON object", fix)
+    return doc
 
 
 def _read_hf(root: Path) -> tuple[list[dict], list[str], dict]:
     rows, files, info = [], [], {}
     for index in sorted(root.glob("*.safetensors.index.json")):
-        try:
-            doc = json.loads(index.read_text())
-            weight_map = doc["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise CheckpointFormatError(index, "not a safetensors index (needs a JSON object with weight_map)",
-                                        "re-export the checkpoint") from None
+        doc = read_hf_index(index)
+        weight_map = doc["weight_map"]
         meta = doc.get("metadata") or {}
         for k in ("step", "layout", "world_size", "source", "names", "model"):
-            if k in meta and k not in info:
+            want = _INFO_TYPES.get(k, str)  # another tool's index may hold other facts under these names: skipped
+            if k in meta and k not in info and isinstance(meta[k], want) and not isinstance(meta[k], bool):
                 info[k] = meta[k]
         listed = set()
-        for rel in sorted(set(weight_map.values())):
-            f = root / rel
+        # every shard name checked by its text before any is opened: an index naming /etc/shadow or ../x is
+        # refused whether that exists or not, and no file is read before the whole index passes
+        names = sorted(set(weight_map.values()))
+        for rel in names:
+            safeio.check_name(rel, index, "shard", error=CheckpointFormatError)
+        for rel in names:
+            f = safeio.confine(root, rel, index, "shard", error=CheckpointFormatError)
             if not f.exists():
                 raise CheckpointFormatError(f, f"listed in {index.name} but missing", "copy the missing shard file "
-                                            "next to the index, or re-export")
-            for r in _safetensors_rows(f, rel):
+                                            "next to the index, or re-export", reason="missing")
+            shard_rows, _ = _safetensors_rows(f, rel)
+            for r in shard_rows:
                 if weight_map.get(r["key"]) == rel:
                     rows.append(r)
                     listed.add(r["key"])
@@ -214,13 +238,14 @@ def inspect(path: "str | os.PathLike | CheckpointManifest") -> CheckpointManifes
     if fmt in ("workbench", "dcp"):
         rows, files = _read_dcp(root)
         if fmt == "workbench":
-            try:
-                info = json.loads((root / "workbench.json").read_text())
-            except json.JSONDecodeError as e:
-                raise CheckpointFormatError(root / "workbench.json", f"not valid JSON ({e.msg})",
-                                            "the file is corrupted; restore it or use another step") from None
+            manifest = safeio.confine(root, "workbench.json", what="manifest", error=CheckpointFormatError)
+            info = safeio.read_json(manifest, safeio.MANIFEST_MAX, "checkpoint manifest", error=CheckpointFormatError,
+                                    fix="the file is corrupted; restore it or use another step")
+            if not isinstance(info, dict):
+                raise CheckpointFormatError(manifest, f"holds a JSON {type(info).__name__}, not an object",
+                                            "the file is corrupted; restore it or use another step")
             if info.get("format") != "workbench-checkpoint":
-                raise CheckpointFormatError(root / "workbench.json", f"format={info.get('format')!r} is not "
+                raise CheckpointFormatError(root / "workbench.json", f"format={str(info.get('format'))[:40]!r} is not "
                                             "'workbench-checkpoint'", "remove the file to read the directory as "
                                             "plain DCP")
     elif fmt == "hf":
@@ -230,20 +255,45 @@ def inspect(path: "str | os.PathLike | CheckpointManifest") -> CheckpointManifes
         rows, files = [], []
         for f in paths:
             rel = f.name
-            rows += _safetensors_rows(f, rel)
+            if root.is_dir():  # a file of the directory, not a link out of it
+                safeio.confine(root, rel, what="safetensors file", error=CheckpointFormatError)
+            file_rows, meta = _safetensors_rows(f, rel)
+            rows += file_rows
             files.append(rel)
             if root.is_file():
-                hdr, _ = read_safetensors_header(f)
-                meta = hdr.get("__metadata__") or {}
-                if "step" in meta:
+                if re.fullmatch(r"[0-9]{1,18}", meta.get("step", "")):
                     info["step"] = int(meta["step"])
                 if meta.get("names") in ("workbench", "hf-llama"):
                     info["names"] = meta["names"]
                 try:
                     info["model"] = json.loads(meta["model"]) if "model" in meta else None
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # not JSON, or a number of thousands of digits: no model
                     pass
                 info = {k: v for k, v in info.items() if v is not None}
     else:
         rows, files = _read_torch(root), [root.name]
+    _check_info(info, root)
     return CheckpointManifest(path=root, format=fmt, frame=_frame(rows), info=info, files=files)
+
+
+# what the manifest's readers (step, layout, quant, model_config_of, verify) take for granted
+_INFO_TYPES = {"step": int, "world_size": int, "layout": dict, "job": dict, "files": dict, "quant": dict,
+               "model": dict, "names": str}
+
+
+def _check_info(info: dict[str, Any], root: Path) -> None:
+    """The facts a manifest (workbench.json, an index's or a file's metadata) gives have the types their
+    readers use; a damaged one is refused in one line, not met as an AttributeError later."""
+    where = root / "workbench.json" if (root / "workbench.json").is_file() else root
+    fix = "the checkpoint's metadata is damaged; restore it or use another step"
+    for key, want in _INFO_TYPES.items():
+        v = info.get(key)
+        if v is not None and (not isinstance(v, want) or isinstance(v, bool)):
+            raise CheckpointFormatError(where, f"its {key} is a {type(v).__name__}, not a {want.__name__}", fix)
+    quant = info.get("quant") or {}
+    if not isinstance(quant.get("keys") or {}, dict) or not isinstance(quant.get("mode", "none"), str):
+        raise CheckpointFormatError(where, "its quant record has no map of keys", fix)
+    job = info.get("job") or {}
+    for part in ("model", "train", "parallel"):
+        if not isinstance(job.get(part) or {}, dict):
+            raise CheckpointFormatError(where, f"its job.{part} is not an object", fix)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -30,7 +29,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReadStats", "StoredTensor", "parse_item", "read_items"]
+from workbench.safepickle import DATA_PKL_OPCODES, PickleFormat, RestrictedUnpickler, UnsafePickle, dotted_name
+
+__all__ = ["ReadStats", "StoredTensor", "parse_item", "pickled_value", "read_items", "scan_item_pickle"]
 
 _LOCAL = b"PK\x03\x04"
 _SMALL = 1 << 16  # items up to this size are read whole in one call
@@ -87,6 +88,12 @@ class _Unsupported(Exception):
     """This item goes through DCP's torch.load path; the message says why."""
 
 
+class _Hostile(_Unsupported):
+    """This item's data.pkl passes no reader's limits (:mod:`workbench.safepickle`): the load stops with the
+    file named, and the item never reaches torch.load (whose unpickler would hash a 10**6-deep tuple in C).
+    A subclass, so that a caller that falls back on any _Unsupported still does not read it itself."""
+
+
 # -- data.pkl: torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks) -------
 
 def _rebuild_capture(storage, storage_offset, size, stride, *rest):
@@ -125,11 +132,26 @@ def _storage_types() -> dict[str, _StorageType]:
 
 _STORAGES: dict[str, _StorageType] | None = None
 
+# What a tensor's data.pkl may name: torch's rebuild functions, its storage types and dtypes, and OrderedDict
+# (the backward hooks). Each resolves to an inert stand-in below.
+_DATA_PKL = PickleFormat("a tensor's data.pkl", DATA_PKL_OPCODES, {
+    "torch._utils": frozenset({"_rebuild_tensor_v2", "_rebuild_tensor_v3"}),
+    "torch.storage": frozenset({"UntypedStorage"}),
+    "torch": frozenset({n for n in dir(torch) if n.endswith("Storage") and not n.startswith("_")}
+                       | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}),
+    "collections": frozenset({"OrderedDict"})})
 
-class _PklReader(pickle.Unpickler):
-    """Resolves only the names a tensor's ``data.pkl`` uses, to inert stand-ins; calls nothing of torch's."""
 
-    def find_class(self, module: str, name: str):
+class _PklReader(RestrictedUnpickler):
+    """Resolves only the names a tensor's ``data.pkl`` uses, to inert stand-ins; calls nothing of torch's.
+    The bytes pass :func:`workbench.safepickle.scan` first (memo, depth, sizes, lengths)."""
+
+    format = _DATA_PKL
+
+    def refuse(self, module: str, name: str) -> Exception:
+        return _Unsupported(f"data.pkl names {dotted_name(module, name)}")
+
+    def resolve(self, module: str, name: str):
         global _STORAGES
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return _rebuild_capture
@@ -151,7 +173,8 @@ class _PklReader(pickle.Unpickler):
 
     def persistent_load(self, pid):
         # ('storage', storage type, key, location, numel)
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and type(pid[2]) is str
+                and type(pid[4]) is int):
             raise _Unsupported("unexpected persistent id in data.pkl")
         kind = pid[1]
         dtype = kind.dtype if isinstance(kind, _StorageType) else kind if isinstance(kind, torch.dtype) else None
@@ -231,7 +254,10 @@ def parse_item(head: memoryview, tail: memoryview, item_length: int,
 
     Returns the stored tensor and, if the data record's local header lies beyond ``head``, its offset
     (then ``data_offset`` is 0 and the caller reads the header to find it)."""
-    records = _central(tail, item_length)
+    try:
+        records = _central(tail, item_length)
+    except struct.error:  # a record that runs past the bytes read: garbled, torch.load judges it
+        raise _Unsupported("malformed zip directory") from None
     pkl_name = next((n for n in records if n.endswith("/data.pkl") or n == "data.pkl"), None)
     if pkl_name is None:
         raise _Unsupported("no data.pkl")
@@ -244,14 +270,23 @@ def parse_item(head: memoryview, tail: memoryview, item_length: int,
         obj = _PklReader(io.BytesIO(bytes(head[start:start + size]))).load()
     except _Unsupported:
         raise
-    except Exception as e:  # noqa: BLE001 - a malformed pickle: let torch.load judge it
+    except UnsafePickle as e:
+        raise _Hostile(f"its data.pkl {e.problem}") from None
+    except Exception as e:  # noqa: BLE001 - a malformed pickle (within the limits): let torch.load judge it
         raise _Unsupported(f"data.pkl unreadable ({type(e).__name__})") from None
-    if not (isinstance(obj, tuple) and obj and obj[0] == "tensor"):
+    if not (isinstance(obj, tuple) and len(obj) == 6 and obj[0] == "tensor" and isinstance(obj[1], tuple)
+            and len(obj[1]) == 4 and obj[1][0] == "storage"):
         raise _Unsupported("data.pkl is not a single tensor")
     _, storage, storage_offset, shape, stride, tensor_dtype = obj
     _, storage_dtype, key, numel = storage
     storage_bytes = numel * storage_dtype.itemsize
     dtype = tensor_dtype if isinstance(tensor_dtype, torch.dtype) else storage_dtype
+    # what as_strided and the reads below need: int sizes and strides of one rank, inside the storage
+    if not (all(type(x) is int and x >= 0 for x in (*shape, *stride, storage_offset, numel))
+            and len(shape) == len(stride)
+            and (0 in shape or (storage_offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride)))
+                 * dtype.itemsize <= storage_bytes)):
+        raise _Unsupported("data.pkl describes a tensor outside its storage")
     if storage_bytes % dtype.itemsize:
         raise _Unsupported("storage bytes not a multiple of the element size")
     order = records.get(prefix + "byteorder")
@@ -305,14 +340,21 @@ def read_items(path: Path, reqs: list, storage_data: dict, planner, stats: ReadS
 
     from workbench.checkpoint.safeload import CheckpointFormatError
 
+    from workbench.safeio import open_regular
+
     reqs = sorted(reqs, key=lambda r: storage_data[r.storage_index].offset)
-    size = path.stat().st_size
     rest = []
-    with open(path, "rb", buffering=0) as fh:
+    # a regular file only (a FIFO or a device named by .metadata is refused, not read): the caller confined
+    # the name to the checkpoint directory
+    with open_regular(path, "DCP data file", error=CheckpointFormatError,
+                      fix_missing="restore the shard file or load another step") as fh:
         fd = fh.fileno()
+        size = os.fstat(fd).st_size
         for req in reqs:
             info = storage_data[req.storage_index]
-            if getattr(info, "transform_descriptors", None) or req.type == LoadItemType.BYTE_IO:
+            if req.type == LoadItemType.BYTE_IO:
+                raise pickled_value(path, req.storage_index.fqn)
+            if getattr(info, "transform_descriptors", None):
                 rest.append(req)
                 stats.reasons["not a plain tensor item"] = stats.reasons.get("not a plain tensor item", 0) + 1
                 continue
@@ -337,6 +379,10 @@ def read_items(path: Path, reqs: list, storage_data: dict, planner, stats: ReadS
                         raise _Unsupported("local header missing")
                     nlen, xlen = struct.unpack_from("<HH", hdr, 26)
                     st.data_offset = local + 30 + nlen + xlen
+            except _Hostile as e:
+                raise CheckpointFormatError(path, f"item {req.storage_index.fqn[:200]!r}: {e}",
+                                            "the file is corrupt or was made to attack a reader; do not load it, "
+                                            "restore it or load another step") from None
             except _Unsupported as e:
                 rest.append(req)
                 why = str(e)
@@ -372,6 +418,102 @@ def read_items(path: Path, reqs: list, storage_data: dict, planner, stats: ReadS
                 nbytes = stored.numel() * stored.element_size()
             stats.bytes += nbytes
             planner.commit_tensor(req, dest)
+        for req in rest:  # what torch.load will read passes the same limits first
+            scan_item_pickle(fh, storage_data[req.storage_index], path, req.storage_index.fqn)
     if rest:
         stats.dcp += len(rest)
         fallback(rest)
+
+
+class _ItemFile(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a file of their own, for :mod:`zipfile`."""
+
+    def __init__(self, fd: int, offset: int, length: int):
+        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, pos + (0, self.pos, self.length)[whence])
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        got = os.preadv(self.fd, [memoryview(b)[:n]], self.offset + self.pos) if n else 0
+        self.pos += got
+        return got
+
+
+def pickled_value(path: Path, fqn: str) -> Exception:
+    """The refusal of an item DCP stored as a pickled value: its planner would ``torch.load`` it with
+    ``weights_only=False``, which runs whatever the pickle names. Workbench saves tensors only."""
+    from workbench.checkpoint.safeload import CheckpointFormatError
+
+    return CheckpointFormatError(path, f"item {fqn[:200]!r} is a pickled value, which would run code to load",
+                                 "workbench loads tensors only and never unpickles a checkpoint's values; "
+                                 "load the tensors alone")
+
+
+_ITEM_PKL_MAX = 1 << 20  # one tensor's data.pkl is ~200 bytes; an item's plain value a few KiB
+
+
+def scan_item_pickle(fh, info, path: Path, fqn: str) -> None:
+    """The data.pkl of the item at ``info`` (a DCP ``_StorageInfo``) within :mod:`workbench.safepickle`'s
+    limits, before DCP's path hands the item to ``torch.load`` (whose C unpickler would recurse on a
+    10**6-deep tuple and allocate what a memo index claims). Also refuses an item that is no zip archive."""
+    import zipfile
+    import zlib
+
+    from workbench.checkpoint.safeload import CheckpointFormatError
+    from workbench.safepickle import scan
+
+    def refuse(problem: str, fix: str = "the file is corrupt or was made to attack a reader; do not load it, "
+               "restore it or load another step") -> CheckpointFormatError:
+        return CheckpointFormatError(path, f"item {fqn[:200]!r}: {problem}", fix)
+
+    length = info.length
+    if length >= 22:  # items workbench writes end in up to ALIGN - 1 zero bytes after the zip's end record
+        tail = os.pread(fh.fileno(), min(length, 22 + ALIGN - 1), info.offset + length - min(length, 22 + ALIGN - 1))
+        end = tail.rfind(b"PK\x05\x06")
+        if end >= 0 and end + 22 <= len(tail) and not any(tail[end + 22:]):
+            length -= len(tail) - (end + 22)
+    try:
+        with zipfile.ZipFile(io.BufferedReader(_ItemFile(fh.fileno(), info.offset, length))) as z:
+            pkl = next((i for i in z.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"),
+                       None)
+            if pkl is None:
+                raise refuse("holds no data.pkl, so it is no torch.save archive")
+            if pkl.file_size > _ITEM_PKL_MAX or pkl.compress_size > _ITEM_PKL_MAX:
+                raise refuse(f"its data.pkl claims {pkl.file_size} bytes, more than a stored item's can hold")
+            # read past zipfile's CRC check: torch's writer may leave CRC-32 fields 0 (we turn them off)
+            hdr = os.pread(fh.fileno(), 30, info.offset + pkl.header_offset)
+            if len(hdr) < 30 or hdr[:4] != _LOCAL:
+                raise refuse("has no local header where its zip directory puts data.pkl")
+            nlen, xlen = struct.unpack_from("<HH", hdr, 26)
+            raw = os.pread(fh.fileno(), pkl.compress_size, info.offset + pkl.header_offset + 30 + nlen + xlen)
+            if pkl.compress_type == zipfile.ZIP_STORED:
+                data = raw
+            elif pkl.compress_type == zipfile.ZIP_DEFLATED:
+                data = zlib.decompressobj(-15).decompress(raw, _ITEM_PKL_MAX + 1)
+            else:
+                raise refuse(f"its data.pkl is compressed with method {pkl.compress_type}, which torch never writes")
+            if len(data) > _ITEM_PKL_MAX:
+                raise refuse("its data.pkl inflates past what a stored item's can hold")
+    except CheckpointFormatError:
+        raise
+    except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError, zipfile.BadZipFile, zlib.error,
+            struct.error) as e:
+        raise refuse(f"could not be read as a torch.save archive ({type(e).__name__})",
+                     f"the file is damaged: run `workbench ckpt verify {Path(path).parent}`, restore it or "
+                     "load another step") from None
+    try:
+        scan(data, _DATA_PKL)
+    except UnsafePickle as e:
+        raise refuse(f"its data.pkl {e.problem}") from None

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import re
-import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +35,13 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench.checkpoint.contents import inspect
+from workbench.checkpoint.destination import ExportDestination
 from workbench.checkpoint.manifest import CheckpointManifest
 from workbench.checkpoint.safeload import SAFETENSORS_DTYPES, CheckpointFormatError, read_torch_file
 from workbench.checkpoint.state import hyper_groups, is_packed_hyper
+from workbench.disk import storage_error
 from workbench.kinds import KEY_PREFIXES, checkpoint_kind
+from workbench.safeio import CONFIG_MAX, confine, open_regular, regular_size
 from workbench.units import format_bytes
 
 __all__ = ["TensorSource", "open_source", "read_tensor", "iter_tensors", "export", "ExportResult",
@@ -135,6 +137,7 @@ class TensorSource:
     _handles: dict[str, Any] = field(default_factory=dict, repr=False)
     _reader: Any = field(default=None, repr=False)
     _torch: dict[str, Any] | None = field(default=None, repr=False)
+    _sizes: dict[str, int] = field(default_factory=dict, repr=False)  # DCP data file -> bytes (claims checked)
 
     def canonical_rows(self) -> list[dict]:
         """Manifest rows (tensors only) renamed to canonical keys, in the source's order."""
@@ -171,14 +174,22 @@ class TensorSource:
             return self._read_dcp(stored, row)
         if m.format in ("hf", "safetensors"):
             shard = row["shards"][0]
-            f = m.path / shard["file"] if m.path.is_dir() else m.path
+            f = self._shard_path(shard["file"])
             if shard["file"] not in self._handles:
-                self._handles[shard["file"]] = open(f, "rb")
+                self._handles[shard["file"]] = open_regular(f, "safetensors file", error=CheckpointFormatError)
             data = _pread_exact(self._handles[shard["file"]], shard["byte_offset"], shard["byte_length"], f)
             return data.view(getattr(torch, row["dtype"])).reshape(row["shape"])
         if self._torch is None:
             self._torch = read_torch_file(m.path)
         return self._torch[stored]
+
+    def _shard_path(self, name: str) -> Path:
+        """The data file ``name`` of this checkpoint: the file itself, or a file inside its directory (a name
+        or link leading out of it is refused before anything is opened)."""
+        m = self.manifest
+        if not m.path.is_dir():
+            return m.path
+        return confine(m.path, name, m.path, "data file", error=CheckpointFormatError)
 
     def _check_present(self, row: dict) -> None:
         """A checkpoint deleted or moved since it was opened is named as that, not as a damaged file."""
@@ -194,11 +205,15 @@ class TensorSource:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from workbench.checkpoint.safeload import SafeFileSystemReader
+        from workbench.checkpoint.safeload import SafeFileSystemReader, check_tensor_claim
 
+        dtype = getattr(torch, row["dtype"])
+        # the shape is the metadata's claim: held against the chunks and the data files before it is allocated
+        check_tensor_claim(self.manifest.path, stored, row["shape"], dtype,
+                           [(s["file"], s["offsets"], s["lengths"]) for s in row["shards"]], self._sizes)
         if self._reader is None:
             self._reader = SafeFileSystemReader(str(self.manifest.path))
-        t = torch.empty(row["shape"], dtype=getattr(torch, row["dtype"]))
+        t = torch.empty(row["shape"], dtype=dtype)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
@@ -206,6 +221,9 @@ class TensorSource:
         except CheckpointFormatError:
             raise
         except (Exception, CheckpointException) as e:  # (DCP's CheckpointException is a BaseException)
+            refused = _refusal_in(e)  # our reader refused to open a file (outside, a FIFO, too large): that line
+            if refused is not None and refused.reason != "format":
+                raise refused from None
             # a corrupted or truncated shard: torch.load of its slice fails inside DCP's read step
             lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
             msg = (lines[-1] if lines else type(e).__name__).split(". ")[0][:160]
@@ -218,16 +236,35 @@ class TensorSource:
         """The shard file whose slice for ``row`` does not load (tried one by one; for error messages)."""
         import io
 
+        from types import SimpleNamespace
+
+        from workbench.checkpoint.directread import scan_item_pickle
+
         for s in row["shards"]:
             f = self.manifest.path / s["file"]
             try:
-                with open(f, "rb") as fh:
+                with open_regular(self._shard_path(s["file"]), "DCP data file", error=CheckpointFormatError) as fh:
+                    item = SimpleNamespace(offset=s["byte_offset"], length=s["byte_length"])
+                    scan_item_pickle(fh, item, f, row["key"])  # torch.load below must not meet a hostile pickle
                     fh.seek(s["byte_offset"])
                     data = fh.read(s["byte_length"])
                 torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception:
                 return f
         return self.manifest.path
+
+
+def _refusal_in(e: BaseException) -> CheckpointFormatError | None:
+    """The CheckpointFormatError our reader raised inside ``dcp.load``, which DCP wraps per rank, or None."""
+    for _ in range(5):
+        if isinstance(e, CheckpointFormatError):
+            return e
+        failures = getattr(e, "failures", None)
+        if not isinstance(failures, dict) or not failures:
+            return None
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    return None
 
 
 def _pread_exact(fh, offset: int, length: int, path: Path) -> torch.Tensor:
@@ -253,12 +290,18 @@ def model_config_of(m: CheckpointManifest):
     from workbench.config import ModelConfig
 
     job = m.info.get("job") or {}
-    if "model" in job:
-        return ModelConfig.from_dict(job["model"])
-    if isinstance(m.info.get("model"), dict):
-        return ModelConfig.from_dict(m.info["model"])
-    cfg = (m.path if m.path.is_dir() else m.path.parent) / "config.json"
+    recorded = job.get("model") if "model" in job else m.info.get("model")
+    if isinstance(recorded, dict):
+        try:
+            return ModelConfig.from_dict(recorded)
+        except (ValueError, TypeError, KeyError) as e:  # a damaged manifest: named as that, in one line
+            raise CheckpointFormatError(m.path, f"records a model config that does not read back ({type(e).__name__}: "
+                                        f"{str(e).splitlines()[0][:160] if str(e).strip() else 'no detail'})",
+                                        "the checkpoint's metadata is damaged; pass the model explicitly") from None
+    base = m.path if m.path.is_dir() else m.path.parent
+    cfg = confine(base, "config.json", base, "model config", error=CheckpointFormatError)  # not a link out
     if cfg.exists():
+        regular_size(cfg, "model config", limit=CONFIG_MAX, error=CheckpointFormatError)
         try:
             return ModelConfig.from_hf_config(cfg)
         except ValueError:
@@ -385,14 +428,6 @@ def _out_name(canon: str, kind: str, names: str) -> str:
     return to_hf_llama_name(fqn) if names == "hf-llama" else fqn
 
 
-def _prepare_dst(dst: Path, overwrite: bool, is_dir: bool) -> None:
-    if dst.exists():
-        if not overwrite:
-            raise FileExistsError(f"{dst} already exists; choose another destination or pass overwrite=True (--force)")
-        shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
-    (dst if is_dir else dst.parent).mkdir(parents=True, exist_ok=True)
-
-
 def _hf_config(cfg, dtype: str = "float32") -> dict[str, Any]:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -411,7 +446,10 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
     shard set: model, optimizer, master), ``safetensors`` (one consolidated file), ``torch`` (one
     torch.save file) or ``dcp`` (a single-writer DCP directory, from a non-DCP source). ``include``: the
     kinds to export ("model", "optimizer", "master", "rng", "extra"). ``names``: "workbench" or "hf-llama"
-    (applies to weights; optimizer state keeps its workbench keys). A failed export removes ``dst``.
+    (applies to weights; optimizer state keeps its workbench keys). ``overwrite``: replace an existing ``dst``
+    that is a file, an empty directory or an export of ours; ``dst`` that is, holds or lies inside ``src`` is
+    refused (ValueError) either way. The export is written beside ``dst`` and renamed into place at the end:
+    a failed export leaves ``dst`` as it was (:mod:`workbench.checkpoint.destination`).
     Optimizer state saved quantized (``--ckpt-quant``) is exported dequantized to fp32 under its own keys,
     or, with ``keep_quant``, as stored (``<key>.q`` + ``<key>.qscale``).
     """
@@ -443,6 +481,9 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
         raise ValueError(f"{m.path} is already DCP: DCP reshards at load time (see plan_load); "
                          "convert to hf/safetensors/torch instead")
     dst = Path(dst)
+    # Before a byte is read or written: DST is not the source (nor holds it, nor lies in it), and what an
+    # existing DST holds may be replaced (workbench.checkpoint.destination).
+    target = ExportDestination(dst, _source_paths(src, m), overwrite=overwrite, is_dir=to in ("hf", "dcp"))
     model_cfg = source.model_cfg
     if names == "hf-llama" and model_cfg is None:
         raise ValueError(f"names='hf-llama' needs the model config (head counts) and {m.path} does not record it; "
@@ -472,7 +513,6 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
         by_kind[r["kind"]] = by_kind.get(r["kind"], 0) + int(r["bytes"])
     total = sum(by_kind.values())
     limit = parse_size(max_shard_size)
-    _prepare_dst(dst, overwrite, is_dir=to in ("hf", "dcp"))
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"export {to}", disable=not progress, leave=False)
 
     def fetch_counted(canon: str) -> torch.Tensor:
@@ -482,63 +522,77 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
 
     files: list[str] = []
     try:
-        if to == "hf":
-            for kind in include:
-                set_rows = [r for r in rows if r["kind"] == kind]
-                if not set_rows:
-                    continue
-                prefix = kind  # one HF index per kind, named after it
-                shards: list[list[dict]] = [[]]
-                size = 0
-                for r in set_rows:  # greedy, in key order, like Hugging Face's shard_checkpoint
-                    if shards[-1] and size + r["bytes"] > limit:
-                        shards.append([])
-                        size = 0
-                    shards[-1].append(r)
-                    size += r["bytes"]
-                weight_map = {}
-                for i, shard in enumerate(shards):
-                    fname = f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                    entries = [(_out_name(r["key"], kind, names), getattr(torch, r["dtype"]), tuple(r["shape"]))
-                               for r in shard]
-                    write_safetensors_streaming(dst / fname, entries, lambda j, _n, s=shard: fetch_counted(s[j]["key"]),
-                                                {**meta, **opt_meta} if kind == "optimizer" else meta)
-                    weight_map.update({e[0]: fname for e in entries})
-                    files.append(fname)
-                index = {"metadata": {"total_size": by_kind[kind], "format": "workbench-export", "names": names,
-                                      "kind": kind, **({"step": m.step} if m.step is not None else {}),
-                                      **({"model": model_cfg.to_dict()} if model_cfg is not None else {}),
-                                      **({"param_groups": param_groups} if kind == "optimizer" and param_groups
-                                         else {})},
-                         "weight_map": weight_map}
-                (dst / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
-                files.append(f"{prefix}.safetensors.index.json")
-            model_rows = [r for r in rows if r["kind"] == "model"]
-            if model_cfg is not None and model_rows:
-                dtype = model_rows[0]["dtype"]
-                (dst / "config.json").write_text(json.dumps(_hf_config(model_cfg, dtype), indent=2))
-                files.append("config.json")
-        elif to == "safetensors":
-            entries = [(_out_name(r["key"], r["kind"], names), getattr(torch, r["dtype"]), tuple(r["shape"]))
-                       for r in rows]
-            write_safetensors_streaming(dst, entries, lambda j, _n: fetch_counted(rows[j]["key"]),
-                                        {**meta, **opt_meta,
-                                         **({"model": json.dumps(model_cfg.to_dict())} if model_cfg else {})})
-            files.append(dst.name)
-        elif to == "torch":
-            # torch.save takes one dict: this output alone holds every exported tensor in memory.
-            sd = {_out_name(r["key"], r["kind"], names): fetch_counted(r["key"]) for r in rows}
-            torch.save(sd, dst)
-            files.append(dst.name)
-        else:  # dcp
-            _save_dcp_from(source, rows, dst, fetch_counted)
-            files = sorted(f.name for f in dst.iterdir())
-    except BaseException:  # no half-written export is left behind to be mistaken for a whole one
-        shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink(missing_ok=True)
-        raise
+        # written under a temporary name beside DST and swapped in whole: a failed or killed export leaves
+        # the old DST as it was, and no half-written one
+        with target.writing() as out:
+            if to == "hf":
+                for kind in include:
+                    set_rows = [r for r in rows if r["kind"] == kind]
+                    if not set_rows:
+                        continue
+                    prefix = kind  # one HF index per kind, named after it
+                    shards: list[list[dict]] = [[]]
+                    size = 0
+                    for r in set_rows:  # greedy, in key order, like Hugging Face's shard_checkpoint
+                        if shards[-1] and size + r["bytes"] > limit:
+                            shards.append([])
+                            size = 0
+                        shards[-1].append(r)
+                        size += r["bytes"]
+                    weight_map = {}
+                    for i, shard in enumerate(shards):
+                        fname = f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                        entries = [(_out_name(r["key"], kind, names), getattr(torch, r["dtype"]), tuple(r["shape"]))
+                                   for r in shard]
+                        write_safetensors_streaming(out / fname, entries,
+                                                    lambda j, _n, s=shard: fetch_counted(s[j]["key"]),
+                                                    {**meta, **opt_meta} if kind == "optimizer" else meta)
+                        weight_map.update({e[0]: fname for e in entries})
+                        files.append(fname)
+                    index = {"metadata": {"total_size": by_kind[kind], "format": "workbench-export", "names": names,
+                                          "kind": kind, **({"step": m.step} if m.step is not None else {}),
+                                          **({"model": model_cfg.to_dict()} if model_cfg is not None else {}),
+                                          **({"param_groups": param_groups} if kind == "optimizer" and param_groups
+                                             else {})},
+                             "weight_map": weight_map}
+                    (out / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+                    files.append(f"{prefix}.safetensors.index.json")
+                model_rows = [r for r in rows if r["kind"] == "model"]
+                if model_cfg is not None and model_rows:
+                    dtype = model_rows[0]["dtype"]
+                    (out / "config.json").write_text(json.dumps(_hf_config(model_cfg, dtype), indent=2))
+                    files.append("config.json")
+            elif to == "safetensors":
+                entries = [(_out_name(r["key"], r["kind"], names), getattr(torch, r["dtype"]), tuple(r["shape"]))
+                           for r in rows]
+                write_safetensors_streaming(out, entries, lambda j, _n: fetch_counted(rows[j]["key"]),
+                                            {**meta, **opt_meta,
+                                             **({"model": json.dumps(model_cfg.to_dict())} if model_cfg else {})})
+                files.append(dst.name)
+            elif to == "torch":
+                # torch.save takes one dict: this output alone holds every exported tensor in memory.
+                sd = {_out_name(r["key"], r["kind"], names): fetch_counted(r["key"]) for r in rows}
+                torch.save(sd, out)
+                files.append(dst.name)
+            else:  # dcp
+                _save_dcp_from(source, rows, out, fetch_counted)
+                files = sorted(f.name for f in out.iterdir())
+            target.commit(to, str(m.path), files)
+    except OSError as e:
+        named = storage_error(e, doing="writing the export to", where=dst, needed=total,
+                              fix="free space there or choose another destination")
+        if named is None:
+            raise
+        raise named from e
     finally:
         bar.close()
     return ExportResult(dst=dst, to=to, files=files, tensors=len(rows), bytes=total, by_kind=by_kind)
+
+
+def _source_paths(src, m: CheckpointManifest) -> list[Path]:
+    """What an export reads: the path it was given (a run directory, say) and the checkpoint that resolved to."""
+    given = [Path(src)] if isinstance(src, (str, os.PathLike)) else []
+    return [*given, Path(m.path)]
 
 
 def _save_dcp_from(source: TensorSource, rows: list[dict], dst: Path, fetch) -> None:
@@ -574,8 +628,8 @@ def _mmap_safetensors(m: CheckpointManifest) -> dict[str, torch.Tensor]:
     for rel in m.files:
         if not rel.endswith(".safetensors"):
             continue
-        f = m.path / rel if m.path.is_dir() else m.path
-        header, start = read_safetensors_header(f)
+        f = confine(m.path, rel, m.path, "safetensors file", error=CheckpointFormatError) if m.path.is_dir() else m.path
+        header, start = read_safetensors_header(f)  # opens only a regular file
         buf = np.memmap(f, dtype=np.uint8, mode="c")
         for key, e in header.items():
             if key == "__metadata__":

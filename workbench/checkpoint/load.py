@@ -40,7 +40,7 @@ from torch.distributed.checkpoint import CheckpointException  # a BaseException,
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from workbench.checkpoint import quant
-from workbench.checkpoint.safeload import SafeFileSystemReader, read_dcp_metadata
+from workbench.checkpoint.safeload import SafeFileSystemReader, check_claims, read_dcp_metadata
 from workbench.checkpoint.state import TrainState, is_packed_hyper, local_optimizer
 from workbench.checkpoint.store import MANIFEST, BackgroundVerify, read_manifest, resolve_checkpoint
 
@@ -172,6 +172,9 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     metadata = read_metadata(ckpt)
     shapes = checkpoint_shapes(ckpt, metadata)
     packed = {k[len("optim."):]: shape for k, (shape, _) in shapes.items() if is_packed_hyper(k)}
+    # the packed hyperparameters' targets are allocated at the shapes .metadata claims (every other target
+    # has the model's shapes): held against their chunks and data files first
+    check_claims(metadata, ckpt, [f"optim.{k}" for k in packed])
     targets = state.load_targets(optimizer=optimizer is not None, rng=rng, hyper=packed or None, direct=single)
     if single and not _keys_match(targets, shapes):  # the direct walk guessed other names: torch's walk decides
         targets = state.load_targets(optimizer=optimizer is not None, rng=rng, hyper=packed or None)

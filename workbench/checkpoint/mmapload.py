@@ -46,15 +46,17 @@ def _leaves(d: dict[str, Any], prefix: str = ""):
 
 def map_files(ckpt: Path, manifest: dict[str, Any]) -> dict[str, mmap.mmap]:
     """Copy-on-write mappings of a checkpoint's shard files (by name), as the manifest lists them."""
+    from workbench.safeio import FileRefused, confine, open_regular
+
     maps = {}
     for name in (manifest.get("files") or {}):
-        if name.endswith(".distcp"):
-            try:
-                with open(ckpt / name, "rb") as f:
+        if isinstance(name, str) and name.endswith(".distcp"):
+            try:  # a file inside the checkpoint directory, regular (never a link out, a FIFO or a device)
+                with open_regular(confine(ckpt, name, ckpt / "workbench.json", "data file"), "DCP data file") as f:
                     if os.fstat(f.fileno()).st_size:
                         maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            except OSError:
-                continue  # missing or unreadable: verification names it; the load reads what it can
+            except (OSError, FileRefused):
+                continue  # missing, unreadable or refused: verification names it; the load reads what it can
     return maps
 
 
@@ -62,7 +64,8 @@ def _spans(manifest: dict[str, Any] | None) -> dict[str, tuple[list[int], list[i
     """file -> (offsets, lengths) of the large writes the saver recorded (``files.<name>.spans``), sorted;
     malformed or absent entries are left out (those items are then parsed)."""
     out = {}
-    for name, info in ((manifest or {}).get("files") or {}).items():
+    files = (manifest or {}).get("files")
+    for name, info in (files.items() if isinstance(files, dict) else ()):
         flat = info.get("spans") if isinstance(info, dict) else None
         if isinstance(flat, list) and len(flat) % 2 == 0 and all(type(x) is int and x >= 0 for x in flat):
             pairs = sorted(zip(flat[0::2], flat[1::2]))
@@ -141,8 +144,11 @@ def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any], *, manifest: d
     # The mmaps stay open as long as the tensors made from them.
     for key, (info, dest) in wanted.items():
         mm = maps.get(info.relative_path)
-        if mm is None:
-            with open(ckpt / info.relative_path, "rb") as f:
+        if mm is None:  # read_dcp_metadata checked the name; confine() its links, open_regular() its kind
+            from workbench.safeio import confine, open_regular
+
+            with open_regular(confine(ckpt, info.relative_path, ckpt / ".metadata", "data file",
+                                      error=CheckpointFormatError), "DCP data file", error=CheckpointFormatError) as f:
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
                     return None

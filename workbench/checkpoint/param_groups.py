@@ -182,8 +182,15 @@ def _read_values(m: CheckpointManifest, rows: list[dict]) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from workbench.checkpoint.safeload import SafeFileSystemReader
+        from workbench.checkpoint.safeload import CheckpointFormatError, SafeFileSystemReader, check_tensor_claim
 
+        try:  # each shape is the metadata's claim: held against its chunks and data files before it is allocated
+            sizes: dict[str, int] = {}
+            for r in tensor_rows:
+                check_tensor_claim(m.path, r["key"], r["shape"], getattr(torch, r["dtype"]),
+                                   [(s["file"], s["offsets"], s["lengths"]) for s in r["shards"]], sizes)
+        except CheckpointFormatError:
+            return {}
         sd = {r["key"]: torch.empty(r["shape"], dtype=getattr(torch, r["dtype"])) for r in tensor_rows}
         try:
             with warnings.catch_warnings():

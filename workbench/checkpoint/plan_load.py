@@ -113,6 +113,14 @@ def _target_keys(cfg: ModelConfig, full_state: bool, dtype: torch.dtype) -> dict
     return keys
 
 
+def _checked_dtype(dtype: Any) -> str:
+    from workbench.config import TrainConfig
+    from workbench.schema import check_value, kind_of, settings_of
+
+    ((f, s),) = settings_of(TrainConfig, only=["dtype"])
+    return check_value("dtype", dtype, *kind_of(f), s)
+
+
 def plan_load(src, to: "ParallelConfig | dict | str | None" = None, model: "str | ModelConfig | None" = None,
               *, nproc: int | None = None, full_state: bool = True, dtype: str | None = None,
               **layout: Any) -> LoadPlan:
@@ -148,7 +156,17 @@ def plan_load(src, to: "ParallelConfig | dict | str | None" = None, model: "str 
         validate(cfg, to)
     except ValueError as e:
         layout_error = str(e)
-    dtype = dtype or (job.get("train") or {}).get("dtype") or "float32"
+    # Checked as TrainConfig.dtype is (a query string or a checkpoint's job record may name anything, and
+    # getattr(torch, name) would hand back torch.nn for "nn")
+    if dtype is None and (job.get("train") or {}).get("dtype"):
+        try:  # the checkpoint's own record: a damaged one is named as that, with its file
+            dtype = _checked_dtype(job["train"]["dtype"])
+        except ValueError as e:
+            from workbench.checkpoint.safeload import CheckpointFormatError
+
+            raise CheckpointFormatError(m.path / "workbench.json", f"its job.train.{e}",
+                                        "the checkpoint's manifest is damaged; pass dtype= to plan the load") from None
+    dtype = _checked_dtype(dtype or "float32")
     want = _target_keys(cfg, full_state, getattr(torch, dtype))
     from workbench.checkpoint.formats import open_source
 

@@ -26,7 +26,6 @@ same sharding as ``w`` (each rank updates its own shard; no communication). Save
 from __future__ import annotations
 
 import datetime as _dt
-import io
 import sys
 import threading
 import time
@@ -34,24 +33,23 @@ import traceback
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemWriter  # the former: a BaseException
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint import CheckpointException  # a BaseException
 from torch.distributed.tensor import DTensor
 
-from workbench.checkpoint.directread import ALIGN, SPAN_MIN
+from workbench.checkpoint.filewriter import (ROOM_FIX, WRITEBACK_BYTES, CheckedWriter, HashingFileSystem,  # noqa: F401
+                                            _HashingStream)
 from workbench.checkpoint.quant import check_mode as check_quant
 from workbench.checkpoint.quant import plan as quant_plan
 from workbench.checkpoint.quant import quantize_state
 from workbench.checkpoint.state import TrainState, encode_state
-from workbench.checkpoint.store import (CHECKSUM, FORMAT, VERSION, CheckpointStore, file_digest, new_hash,
-                                       start_writeback)
+from workbench.checkpoint.store import CHECKSUM, FORMAT, VERSION, CheckpointStore, file_digest
+from workbench.disk import StorageError, storage_error
 
 __all__ = ["EMA", "Checkpointer", "CheckpointError", "HostBuffers", "HashingFileSystem", "save", "manifest_base"]
 
@@ -223,173 +221,43 @@ def _check_tensors(sd: dict[str, Any], prefix: str = "") -> None:
 # 0.175 s with 3. Three files also let a verified load's own thread take the third file's checksum while
 # two threads hash the others (mapped load 23 ms against 27 ms with two files).
 WRITE_THREADS = 3
-WRITEBACK_BYTES = 8 << 20  # start the disk's writeback every this many bytes of a file (measured: 8 MiB)
-
-
-# -- checksums while writing ---------------------------------------------------------------------
-
-
-class _HashingStream(io.RawIOBase):
-    """A write stream that feeds every byte written to a hash on its way to the file.
-
-    DCP writes a shard front to back (``torch.save`` into the stream, or raw bytes); a seek would break
-    the correspondence of hashed and stored bytes, so it marks the digest unusable (the file is then
-    hashed from disk instead).
-
-    - ``torch.save`` writes an item in about 40 calls, all but one of them a few bytes (zip headers, the
-      pickle, descriptors): those are gathered and written and hashed together, the large one goes
-      straight through. Measured on a 305 MB save: 12,402 calls in, 976 to the file.
-    - Every :data:`WRITEBACK_BYTES` written, it starts the kernel's writeback of them
-      (:func:`~workbench.checkpoint.store.start_writeback`), so the closing fsync waits for the tail only.
-    - ``spans`` lists ``(offset, length)`` of every write larger than :data:`SPAN_MIN` bytes: in a tensor
-      item, its one large write is the tensor's data record (``torch.save`` writes a storage in one call,
-      and the rest of an item is a few hundred bytes), which lets a load find the bytes without parsing.
-    - ``fileno()`` flushes first: DCP fsyncs ``stream.fileno()`` before closing the stream, and bytes
-      still in a buffer then would miss the fsync.
-    """
-
-    _GATHER = 1 << 16  # gathered small writes go out at this size
-
-    def __init__(self, raw: io.IOBase):
-        super().__init__()
-        self.raw, self.hash, self.n, self.sequential = raw, new_hash(), 0, True
-        self.spans: list[tuple[int, int]] = []
-        self._kicked = 0
-        self._small = bytearray()
-
-    def writable(self) -> bool:
-        return True
-
-    def _drain(self) -> None:
-        if self._small:
-            self.raw.write(self._small)
-            self.hash.update(self._small)
-            self._small = bytearray()
-
-    def write(self, b) -> int:
-        view = memoryview(b).cast("B")
-        n = len(view)
-        if n <= SPAN_MIN:
-            self._small += view
-            if len(self._small) >= self._GATHER:
-                self._drain()
-        else:
-            self._drain()
-            got = self.raw.write(view)
-            if got is not None and got != n:  # a raw (unbuffered) file may write part: the rest follows
-                self.hash.update(view[:got])
-                self.n += got
-                return got
-            self.hash.update(view)
-            self.spans.append((self.n, n))
-        self.n += n
-        if self.n - self._kicked >= WRITEBACK_BYTES and self.sequential:
-            start_writeback(self.raw.fileno(), self._kicked, self.n - self._kicked)
-            self._kicked = self.n
-        return n
-
-    def tell(self) -> int:
-        """The position, first padded with zeros to a multiple of ``ALIGN`` (64) bytes. DCP asks for it
-        exactly before and after writing each item (its offset, then its length), so every item starts
-        aligned in the file, and a mapped load's tensors are aligned (the data record inside torch.save's
-        archive is itself 64-byte aligned). The padding ends the previous item: readers find the archive's
-        end record before it (torch.load, :mod:`workbench.checkpoint.directread`)."""
-        if not self.sequential:
-            self._drain()
-            return self.raw.tell()
-        if self.n % ALIGN:
-            self.write(bytes(ALIGN - self.n % ALIGN))
-        return self.n
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._drain()
-        pos = self.raw.seek(offset, whence)
-        self.sequential = self.sequential and pos == self.n
-        return pos
-
-    def fileno(self) -> int:
-        self.flush()
-        return self.raw.fileno()
-
-    def flush(self) -> None:
-        self._drain()
-        self.raw.flush()
-
-    def close(self) -> None:
-        if not self.closed:
-            super().close()  # flushes (through self.flush) while the file is still open
-            self.raw.close()
-
-
-class HashingFileSystem(FileSystem):
-    """DCP's local filesystem, hashing each file as it is written: ``digests[name] = (bytes, hex)``.
-
-    Set it as a ``FileSystemWriter``'s ``fs``. Renames (DCP writes ``.metadata.tmp`` then renames it) carry
-    the digest along. A file written out of order gets no digest.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.digests: dict[str, tuple[int, str]] = {}
-        self.spans: dict[str, list[tuple[int, int]]] = {}
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def create_stream(self, path, mode: str):
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with _no_zip_crc32(), super().create_stream(path, mode) as raw:
-            stream = _HashingStream(raw)
-            yield stream
-            if stream.sequential:
-                with self._lock:
-                    self.digests[Path(path).name] = (stream.n, stream.hash.hexdigest())
-                    self.spans[Path(path).name] = stream.spans
-
-    def rename(self, path, new_path) -> None:
-        super().rename(path, new_path)
-        with self._lock:
-            if Path(path).name in self.digests:
-                self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
-            if Path(path).name in self.spans:
-                self.spans[Path(new_path).name] = self.spans.pop(Path(path).name)
-
-
-@contextmanager
-def _no_zip_crc32():
-    """``torch.save`` without the zip records' CRC-32, in this thread, while DCP writes a file from it (each
-    tensor item is a torch.save archive). The CRC-32 cost 0.17-0.28 s of a 305 MB save here, more than the
-    writes' Python overhead, and it is redundant: every file's XXH3-128 goes into the manifest as it is
-    written. ``torch.load`` reads such archives as usual (it does not check record CRCs); a generic unzip
-    would warn. torch keeps the option per thread, so it is set where each file is written: DCP's own writer
-    threads included (until 2026-11-27 it was set on the calling thread only, and DCP's second writer thread
-    still computed it: 0.1 s of a 0.22 s save).
-    """
-    getter = getattr(torch.serialization, "get_crc32_options", None)  # public since torch 2.5
-    setter = getattr(torch.serialization, "set_crc32_options", None)
-    if getter is None or setter is None:
-        yield
-        return
-    before = getter()
-    setter(False)
-    try:
-        yield
-    finally:
-        setter(before)
 
 
 # -- one save --------------------------------------------------------------------------------------
 
 
 def _write_and_publish(sd: dict[str, Any], store: CheckpointStore, step: int, nonce: str, manifest: dict,
-                       rank: int, world: int, group, keep: int | None, keep_every: int) -> dict[str, Any]:
+                       rank: int, world: int, group, keep: int | None, keep_every: int,
+                       owner: str | None = None) -> dict[str, Any]:
     """DCP-write ``sd`` into the step's tmp dir (fsynced), hashing this rank's files as they are written,
     and publish (rank 0).
 
-    Runs on every rank (in the writer thread for async saves). Returns what rank 0 publishes.
+    Runs on every rank (in the writer thread for async saves). Returns what rank 0 publishes. A write that
+    fails for lack of room or permission, on any rank, raises a :class:`~workbench.disk.StorageError` that
+    says so (``no space left on device writing checkpoint step 4 to DIR (needs ~X, Y free there); ...``;
+    the bytes needed are the failing rank's share). ``owner``: the run id the directory must still belong
+    to when rank 0 publishes (:meth:`CheckpointStore.check_owner`; None: no check).
     """
+    doing = f"writing checkpoint step {step} to"
+    needed = sum(t.numel() * t.element_size() for t in _tensors(sd))  # this rank's share
+    try:
+        return _write_then_publish(sd, store, step, nonce, manifest, rank, world, group, keep, keep_every,
+                                   doing, needed, owner)
+    except CheckpointException as exc:  # a rank's write failed: its own error, named, if it was the disk
+        named = next((e for e, _ in exc.failures.values() if isinstance(e, StorageError)), None)
+        if named is None:
+            raise
+        raise StorageError(named.errno, str(named)) from None
+    except OSError as exc:  # outside DCP's writes: the tmp directory, the manifest, the renames, latest
+        named = storage_error(exc, doing=doing, where=store.root, needed=needed, fix=ROOM_FIX)
+        if named is None:
+            raise
+        raise named from exc
+
+
+def _write_then_publish(sd: dict[str, Any], store: CheckpointStore, step: int, nonce: str, manifest: dict,
+                        rank: int, world: int, group, keep: int | None, keep_every: int, doing: str,
+                        needed: int, owner: str | None) -> dict[str, Any]:
     tmp = store.tmp_path(step, nonce)
     if rank == 0:
         store.root.mkdir(parents=True, exist_ok=True)
@@ -397,8 +265,8 @@ def _write_and_publish(sd: dict[str, Any], store: CheckpointStore, step: int, no
     tmp.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        writer = FileSystemWriter(tmp, sync_files=True, thread_count=WRITE_THREADS)
-        writer.fs = HashingFileSystem()
+        writer = CheckedWriter(tmp, sync_files=True, thread_count=WRITE_THREADS)
+        writer.fs = HashingFileSystem(target=store.root, doing=doing, needed=needed)
         dcp.save(sd, storage_writer=writer, process_group=group, no_dist=group is None)
     mine = sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{rank}_"))
     if rank == 0:
@@ -428,6 +296,7 @@ def _write_and_publish(sd: dict[str, Any], store: CheckpointStore, step: int, no
         return {}
     doc = dict(manifest, step=step, checksum=CHECKSUM, files=dict(sorted(files.items())),
                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    store.check_owner(owner)  # every rank has written its part: raising here strands no collective
     final = store.publish(tmp, step, doc)
     removed = store.rotate(keep, keep_every)
     return {"path": str(final), "bytes": sum(f["bytes"] for f in files.values()), "rotated": removed}
@@ -484,6 +353,13 @@ def _shared_nonce(group) -> str:
 # -- the trainer's checkpointer ------------------------------------------------------------------
 
 
+def _failed(step: int, exc: BaseException) -> str:
+    """The one line of a failed save: a disk condition in words, anything else with its type."""
+    if isinstance(exc, StorageError):
+        return f"checkpoint at step {step} failed: {exc}"
+    return f"checkpoint at step {step} failed: {type(exc).__name__}: {exc}"
+
+
 class _Staging:
     """One copy of the train state into a host buffer set, running on the staging thread.
 
@@ -530,15 +406,17 @@ class Checkpointer:
     and step tensors) plus that wait, which is zero when forward and backward take longer than the copy.
     ``take_stall()`` gives the seconds lost since its last call (the trainer's ``ckpt_stall_s``). Without
     an optimizer (nothing to hook) the copy runs on the loop's thread. ``quant``: "int8"/"fp8" moments,
-    quantized on the staging thread (:mod:`workbench.checkpoint.quant`).
+    quantized on the staging thread (:mod:`workbench.checkpoint.quant`). ``owner``: the id of the run
+    that owns ``root`` (its ``owner.json``); a publish finding another run's id there fails instead.
     """
 
     def __init__(self, root: str | Path, *, every: int, mode: str = "sync", keep: int | None = None,
                  keep_every: int = 0, manifest: dict | None = None, emit: Callable[..., Any] | None = None,
-                 quant: str | None = None):
+                 quant: str | None = None, owner: str | None = None):
         if mode not in ("sync", "async", "zero_stall"):
             raise ValueError(f"checkpoint mode={mode!r} is unknown; choose sync, async or zero_stall")
         self.quant = check_quant(quant)
+        self.owner = owner  # the run id the directory must belong to at each publish (workbench.train.rundir)
         self.store = CheckpointStore(Path(root))
         self.every, self.mode, self.keep, self.keep_every = every, mode, keep, keep_every
         self.manifest = manifest or {}
@@ -678,7 +556,7 @@ class Checkpointer:
                 self._run_job(quantize_state(sd, qinfo), {**self._manifest(state), "quant": qinfo}, t0)
             except (Exception, CheckpointException) as exc:  # noqa: BLE001
                 self._failure = None
-                raise CheckpointError(f"checkpoint at step {state.step} failed: {type(exc).__name__}: {exc}") from exc
+                raise CheckpointError(_failed(state.step, exc)) from exc
             return
         self._wait_inflight()
         self.stalls.append(0.0)
@@ -703,9 +581,9 @@ class Checkpointer:
             if rec is not None:
                 sd = rec.result()
             out = _write_and_publish(sd, self.store, step, self.nonce, manifest, self.rank, self.world,
-                                     self.group, self.keep, self.keep_every)
+                                     self.group, self.keep, self.keep_every, self.owner)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - surfaced as an event now and an error at the next call
-            msg = f"checkpoint at step {step} failed: {type(exc).__name__}: {exc}"
+            msg = _failed(step, exc)
             with self._lock:
                 self._failure = msg
             self.emit("checkpoint", step=step, status="failed", error=msg, traceback=traceback.format_exc(),

@@ -37,6 +37,9 @@ from workbench.checkpoint.manifest import CheckpointManifest
 __all__ = ["tensor_stats"]
 
 
+MAX_BINS = 10_000  # histogram bins: more than a terminal or a plot can show (and each is a Python float)
+
+
 def _canonical_key(source: TensorSource, key: str) -> str:
     """Accept the key as the manifest lists it (stored) or as the workbench names it (canonical)."""
     if key in source.keys:
@@ -59,6 +62,8 @@ def tensor_stats(src: "str | os.PathLike | CheckpointManifest | TensorSource", k
     """
     from workbench.checkpoint.state import is_packed_hyper
 
+    if isinstance(bins, bool) or not isinstance(bins, int) or not 0 <= bins <= MAX_BINS:
+        raise ValueError(f"bins={bins!r} must be an integer from 0 (no histogram) to {MAX_BINS:,}")
     source = open_source(src)
     canon = _canonical_key(source, key)
     if is_packed_hyper(canon) or is_packed_hyper(key):

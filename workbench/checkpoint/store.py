@@ -46,12 +46,14 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["MANIFEST", "LATEST", "CHECKSUM", "CheckpointStore", "step_name", "parse_step", "is_complete",
+__all__ = ["MANIFEST", "LATEST", "OWNER", "CHECKSUM", "CheckpointStore", "step_name", "parse_step", "is_complete",
            "read_manifest", "file_digest", "recorded_digest", "new_hash", "fsync_dir", "resolve_checkpoint",
            "BackgroundVerify", "start_writeback"]
 
 MANIFEST = "workbench.json"
 LATEST = "latest"
+OWNER = "owner.json"  # which run writes this checkpoints directory (workbench.train.rundir)
+_OWNER_MAX = 64 << 10
 FORMAT = "workbench-checkpoint"
 VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
@@ -116,7 +118,9 @@ def file_digest(path: str | Path, fsync: bool = False, algo: str = "sha256") -> 
 
     ``algo``: "sha256" or "xxh3_128" (:data:`CHECKSUM`, what saves record).
     """
-    with open(path, "rb") as f:
+    from workbench.safeio import open_regular
+
+    with open_regular(path, "checkpoint file") as f:  # a FIFO or device swapped in is refused, not read forever
         size = os.fstat(f.fileno()).st_size
         if size and not fsync:
             # Hash the page cache's pages in place (no copy into Python bytes): half the memory traffic,
@@ -158,16 +162,24 @@ def write_durable(path: str | Path, data: bytes) -> None:
 
 
 def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
-    """The parsed ``workbench.json`` of a checkpoint directory; ValueError naming what is wrong."""
-    p = Path(ckpt_dir) / MANIFEST
+    """The parsed ``workbench.json`` of a checkpoint directory; ValueError naming what is wrong.
+
+    Read only from inside the directory (not through a link out of it), as a regular file of at most
+    ``safeio.MANIFEST_MAX`` bytes of UTF-8 JSON."""
+    from workbench import safeio
+    from workbench.checkpoint.safeload import CheckpointFormatError
+
     try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{ckpt_dir}: no {MANIFEST}; the checkpoint is incomplete (its save was interrupted)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{p}: not valid JSON ({e}); the checkpoint is damaged") from None
+        p = safeio.confine(ckpt_dir, MANIFEST, what="manifest", error=CheckpointFormatError)
+        doc = safeio.read_json(p, safeio.MANIFEST_MAX, "checkpoint manifest", error=CheckpointFormatError,
+                               fix="the checkpoint is damaged; restore it or use another step")
+    except CheckpointFormatError as e:
+        if e.reason == "missing":
+            raise ValueError(f"{ckpt_dir}: no {MANIFEST}; the checkpoint is incomplete (its save was interrupted)") from None
+        raise
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ValueError(f"{p}: not a workbench checkpoint manifest (format={doc.get('format') if isinstance(doc, dict) else None!r})")
+        raise ValueError(f"{p}: not a workbench checkpoint manifest "
+                         f"(format={str(doc.get('format'))[:40] if isinstance(doc, dict) else None!r})")
     return doc
 
 
@@ -205,18 +217,20 @@ def _listing(ckpt_dir: str | Path, verify_checksums: bool, manifest: dict | None
         doc = read_manifest(ckpt_dir) if manifest is None else manifest
     except ValueError as e:
         return str(e), []
+    from workbench import safeio
+
     files = doc.get("files") or {}
-    if ".metadata" not in files:
+    if not isinstance(files, dict) or ".metadata" not in files:
         return f"{ckpt_dir}: manifest lists no .metadata", []
     todo = []
     for name, info in files.items():
-        p = Path(ckpt_dir) / name
-        try:
-            size = p.stat().st_size if p.is_file() else None
-        except OSError:
-            size = None
-        if size is None:
-            return f"{p}: missing", []
+        try:  # a name inside the directory (no ../, no absolute path, no link out), a regular file
+            p = safeio.confine(ckpt_dir, name, Path(ckpt_dir) / MANIFEST, "checkpoint file")
+            size = safeio.regular_size(p, "checkpoint file")
+        except safeio.FileRefused as e:
+            return (f"{Path(ckpt_dir) / name}: missing" if e.reason == "missing" else str(e)), []
+        if not isinstance(info, dict) or type(info.get("bytes")) is not int:
+            return f"{p}: the manifest's entry for it has no size", []
         if size != info["bytes"]:
             return f"{p}: {size} bytes, manifest says {info['bytes']}", []
         if verify_checksums:
@@ -363,21 +377,33 @@ class CheckpointStore:
         """Steps of the published directories (complete or not), ascending."""
         if not self.root.is_dir():
             return []
-        out = [parse_step(p.name) for p in self.root.iterdir() if p.is_dir()]
+        from workbench.safeio import is_within
+
+        # a step directory linked out of the store is not one of its checkpoints (nothing follows it)
+        real = os.path.realpath(self.root)
+        out = [parse_step(p.name) for p in self.root.iterdir()
+               if p.is_dir() and (not p.is_symlink() or is_within(os.path.realpath(p), real))]
         return sorted(s for s in out if s is not None)
 
     def latest_pointer(self) -> str | None:
+        """The name ``latest`` holds, or None where there is no readable pointer (no file, not UTF-8 text, not
+        a regular file of at most a few KiB, or a link out of the directory: nothing else is read)."""
+        from workbench import safeio
+
         try:
-            return (self.root / LATEST).read_text().strip() or None
-        except (FileNotFoundError, UnicodeDecodeError):
+            data = safeio.read_bounded(safeio.confine(self.root, LATEST, what="pointer"), safeio.POINTER_MAX,
+                                       "latest pointer")
+            return data.decode("utf-8").strip() or None
+        except (safeio.FileRefused, UnicodeDecodeError):
             return None
 
     def latest(self, verify_checksums: bool = True) -> Path | None:
         """The newest complete checkpoint: ``latest`` if it is complete, else the newest complete step dir."""
         name = self.latest_pointer()
-        if name and parse_step(name) is not None and is_complete(self.root / name, verify_checksums)[0]:
+        steps = self.steps()  # the step directories inside the store (none linked out of it)
+        if name and parse_step(name) in steps and is_complete(self.root / name, verify_checksums)[0]:
             return self.root / name
-        for step in reversed(self.steps()):
+        for step in reversed(steps):
             if is_complete(self.path(step), verify_checksums)[0]:
                 return self.path(step)
         return None
@@ -387,16 +413,77 @@ class CheckpointStore:
         step directory with a ``.metadata``, complete ones (with a manifest) first."""
         name = self.latest_pointer()
         if name:
-            target = self.root / name
-            if not target.is_dir():
-                from workbench.checkpoint.safeload import CheckpointFormatError  # a ValueError too
+            from workbench import safeio
+            from workbench.checkpoint.safeload import CheckpointFormatError  # a ValueError too
 
+            if parse_step(name) is None:  # what saves write; anything else (../x, /x) is not followed
+                raise CheckpointFormatError(self.root / LATEST, f"holds {name[:80]!r}, not a step-NNNNNN name",
+                                            "pass one of the step-* directories next to it")
+            target = safeio.confine(self.root, name, self.root / LATEST, "step directory", error=CheckpointFormatError)
+            if not target.is_dir():
                 raise CheckpointFormatError(self.root / LATEST, f"points at {name!r}, which does not exist",
                                             "pass one of the step-* directories next to it")
             return target
         steps = [self.path(s) for s in self.steps() if (self.path(s) / ".metadata").exists()]
         complete = [d for d in steps if (d / MANIFEST).exists()]
         return (complete or steps or [None])[-1]
+
+    # -- the run that writes here -------------------------------------------------------------
+    def owner(self) -> dict[str, Any] | None:
+        """The run that owns this directory (:data:`OWNER`: ``run_id``, ``run_dir``, ``claimed``), or None
+        where no run has claimed it. A marker that cannot be read is returned as ``{"unreadable": why}``:
+        whoever wrote it is unknown, so it is nobody's to take."""
+        p = self.root / OWNER
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return {"unreadable": f"{type(e).__name__}: {e.strerror}"}
+        if not p.is_file() or st.st_size > _OWNER_MAX:  # a few hundred bytes when we write it
+            return {"unreadable": "not a small regular file"}
+        try:
+            doc = json.loads(p.read_bytes())
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or UTF-8
+            return {"unreadable": type(e).__name__}
+        if not isinstance(doc, dict) or not isinstance(doc.get("run_id"), str):
+            return {"unreadable": "no run_id"}
+        return doc
+
+    def claim(self, doc: dict[str, Any], exclusive: bool) -> dict[str, Any] | None:
+        """Write the owner marker (creating the directory). ``exclusive``: only if there is none yet, as one
+        atomic link of a complete file; returns the marker found instead when another run claimed the
+        directory first (None: ``doc`` is the marker now)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        data = json.dumps(doc, indent=2).encode()
+        if not exclusive:
+            write_durable(self.root / OWNER, data)
+            return None
+        tmp = self.root / f"{OWNER}.tmp-{os.getpid()}-{threading.get_ident()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, self.root / OWNER)  # fails if a marker exists: two launches cannot both claim
+        except FileExistsError:
+            return self.owner()
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(self.root)
+        return None
+
+    def check_owner(self, run_id: str | None) -> None:
+        """Before publishing: this directory still belongs to ``run_id`` (None: no check). A marker naming
+        another run means another run took it over (``--adopt-ckpt-dir``) while this one was running."""
+        if run_id is None:
+            return
+        owner = self.owner()
+        if owner is not None and owner.get("run_id") != run_id:
+            theirs = owner.get("run_dir") or owner.get("unreadable")
+            raise ValueError(f"{self.root} now belongs to another run ({theirs}, {OWNER}); this run stops saving "
+                             "there rather than mix its checkpoints with that run's: resume it with a --ckpt-dir "
+                             "of its own")
 
     # -- writing (rank 0) ----------------------------------------------------------------------
     def clean_stale(self, keep_tmp: str | None = None) -> list[str]:

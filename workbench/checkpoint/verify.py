@@ -27,10 +27,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from workbench.checkpoint.contents import _DISTCP, identify, inspect
+from workbench.checkpoint.contents import _DISTCP, identify, inspect, read_hf_index
 from workbench.checkpoint.manifest import CheckpointManifest
 from workbench.checkpoint.safeload import CheckpointFormatError
 from workbench.checkpoint.store import new_hash, recorded_digest
+from workbench.safeio import FileRefused, confine, open_regular, regular_size
 
 __all__ = ["verify", "VerifyReport", "Problem"]
 
@@ -88,7 +89,7 @@ class VerifyReport:
 
 def _digest(path: Path, algo: str, bar) -> str:
     h = new_hash(algo)
-    with open(path, "rb") as f:
+    with open_regular(path, "checkpoint file", error=CheckpointFormatError) as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
             bar.update(len(chunk))
@@ -101,22 +102,38 @@ def _check_workbench_files(root: Path, info: dict, report: VerifyReport, progres
         report.problems.append(Problem(str(root / "workbench.json"), "lists no files with sizes and checksums",
                                        "re-save the checkpoint with workbench (checksums are written last)"))
         return
-    total = sum(int(v.get("bytes", 0)) for v in listed.values())
+    manifest = root / "workbench.json"
+    bad = next((rel for rel, want in listed.items() if not isinstance(want, dict) or type(want.get("bytes")) is not int
+                or want["bytes"] < 0), None)
+    if bad is not None:
+        report.problems.append(Problem(str(manifest), f"its entry for {str(bad)[:200]!r} has no size",
+                                       "the manifest is damaged; restore it or use another checkpoint step"))
+        return
+    total = sum(v["bytes"] for v in listed.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=not progress, leave=False) as bar:
         for rel, want in sorted(listed.items()):
-            f = root / rel
-            if not f.exists():
+            try:  # inside the directory (a listed ../x, /x or link out is a problem, never opened), a regular file
+                f = confine(root, rel, manifest, "checkpoint file", error=CheckpointFormatError)
+                size = regular_size(f, "checkpoint file", error=CheckpointFormatError) if f.exists() else None
+            except FileRefused as e:
+                report.problems.append(Problem(e.file, e.problem, e.fix))
+                continue
+            if size is None:
                 report.problems.append(Problem(str(f), "listed in workbench.json but missing",
                                                "restore the file or use another checkpoint step"))
                 continue
-            size = f.stat().st_size
             if size != want.get("bytes"):
                 report.problems.append(Problem(str(f), f"has {size} bytes, workbench.json recorded {want.get('bytes')}",
                                                "the file is truncated or was rewritten; restore it or use another step"))
                 bar.update(size)
                 continue
             recorded = recorded_digest(want)
-            if recorded and _digest(f, recorded[0], bar) != recorded[1]:
+            try:
+                differs = recorded is not None and _digest(f, recorded[0], bar) != recorded[1]
+            except FileRefused as e:  # swapped for a FIFO or removed since it was checked
+                report.problems.append(Problem(e.file, e.problem, e.fix))
+                continue
+            if differs:
                 report.problems.append(Problem(str(f), f"{recorded[0]} differs from workbench.json (corrupted bytes)",
                                                "restore the file from a copy or use another checkpoint step"))
     report.checked["files_hashed"] = len(listed)
@@ -131,11 +148,40 @@ def _boxes_intersect(a_off, a_len, b_off, b_len) -> bool:
     return all(ao < bo + bl and bo < ao + al for ao, al, bo, bl in zip(a_off, a_len, b_off, b_len))
 
 
+_OVERLAP_BUDGET = 20_000_000  # box comparisons per tensor (seconds of Python); a hostile layout stops there
+
+
+def _first_overlap(shards: list[dict]) -> tuple[dict, dict] | None | str:
+    """Two chunks that intersect, None, or "unchecked" past the budget. A sweep along dimension 0: each chunk
+    is compared only with the chunks whose dimension-0 range is still open where it starts (its row band),
+    not with all others, so n chunks on a (dp x tp) grid cost about n x tp comparisons, not n^2 / 2."""
+    order = sorted(shards, key=lambda s: s["offsets"][0] if s["offsets"] else 0)
+    open_: list[dict] = []
+    budget = _OVERLAP_BUDGET
+    for s in order:
+        off, ln = s["offsets"], s["lengths"]
+        if off:
+            open_ = [a for a in open_ if a["offsets"][0] + a["lengths"][0] > off[0]]
+        budget -= len(open_) + 1
+        if budget < 0:
+            return "unchecked"
+        hit = next((a for a in open_ if _boxes_intersect(a["offsets"], a["lengths"], off, ln)), None)
+        if hit is not None:
+            return hit, s
+        open_.append(s)
+    return None
+
+
 def _check_dcp_chunks(m: CheckpointManifest, report: VerifyReport, skip_files: set[str] = frozenset()) -> None:
     sizes: dict[str, int | None] = {}
     for rel in m.files:
-        f = m.path / rel
-        sizes[rel] = f.stat().st_size if f.exists() else None
+        try:  # read_dcp_metadata checked the names; a link out of the directory or a FIFO is refused here
+            f = confine(m.path, rel, m.path / ".metadata", "data file", error=CheckpointFormatError)
+            sizes[rel] = regular_size(f, "DCP data file", error=CheckpointFormatError) if f.exists() else None
+        except FileRefused as e:
+            sizes[rel] = None
+            report.problems.append(Problem(e.file, e.problem, e.fix))
+            continue
         if sizes[rel] is None:
             report.problems.append(Problem(str(f), "named by .metadata but missing",
                                            "restore the shard file or use another checkpoint step"))
@@ -164,8 +210,11 @@ def _check_dcp_chunks(m: CheckpointManifest, report: VerifyReport, skip_files: s
                 report.problems.append(Problem(str(m.path / ".metadata"), f"{r.key} chunk {off}+{ln} lies outside "
                                                f"the global shape {shape}", "the metadata is inconsistent; re-save"))
             covered += math.prod(ln)
-        overlap = next(((a, b) for i, a in enumerate(r.shards) for b in r.shards[i + 1:]
-                        if _boxes_intersect(a["offsets"], a["lengths"], b["offsets"], b["lengths"])), None)
+        overlap = _first_overlap(r.shards)
+        if overlap == "unchecked":
+            report.warnings.append(f"{r.key}: {len(r.shards)} chunks in one band of rows; whether they overlap was "
+                                   f"not checked (more than {_OVERLAP_BUDGET:,} comparisons)")
+            overlap = None
         if overlap:
             report.problems.append(Problem(str(m.path / ".metadata"), f"{r.key} chunks at {overlap[0]['offsets']} and "
                                            f"{overlap[1]['offsets']} overlap", "the metadata is inconsistent; re-save"))
@@ -185,11 +234,11 @@ def _check_dcp_chunks(m: CheckpointManifest, report: VerifyReport, skip_files: s
 
 def _check_hf_index(m: CheckpointManifest, report: VerifyReport) -> None:
     for index in sorted(m.path.glob("*.safetensors.index.json")):
-        doc = json.loads(index.read_text())
+        doc = read_hf_index(index)
         total = (doc.get("metadata") or {}).get("total_size")
         keys = set(doc["weight_map"])
         actual = int(m.frame.loc[m.frame["key"].isin(keys), "bytes"].sum())
-        if total is not None and int(total) != actual:
+        if total is not None and (type(total) is not int or total != actual):
             report.problems.append(Problem(str(index), f"metadata.total_size={total} but its tensors hold {actual} bytes",
                                            "re-export the checkpoint"))
     report.checked["tensors"] = len(m.frame)
@@ -202,12 +251,26 @@ def verify(path: "str | os.PathLike | CheckpointManifest", *, deep: bool = False
         path = path.path
     report = VerifyReport(path=str(path), format=None)
     try:
-        fmt, root = identify(path)
-        report.path, report.format = str(root), fmt
-        m = inspect(root)
-    except CheckpointFormatError as e:
+        return _verify(path, report, deep, progress)
+    except FileRefused as e:  # CheckpointFormatError too: a file refused anywhere in the checks
         report.problems.append(Problem(e.file, e.problem, e.fix))
-        return report
+    except OSError as e:  # a file removed, or made unreadable, while it was checked
+        report.problems.append(Problem(str(getattr(e, "filename", None) or report.path),
+                                       f"cannot be read ({e.strerror or type(e).__name__})",
+                                       "check that nothing removes or rewrites the checkpoint while it is verified"))
+    except Exception as e:  # the promise is a report, whatever the files hold; the type only, never their bytes
+        if os.environ.get("WORKBENCH_DEBUG"):
+            raise
+        report.problems.append(Problem(report.path, f"cannot be checked ({type(e).__name__} while reading it)",
+                                       "the checkpoint is damaged in a way verify does not name; restore it or use "
+                                       "another step (WORKBENCH_DEBUG=1 shows where)"))
+    return report
+
+
+def _verify(path, report: VerifyReport, deep: bool, progress: bool) -> VerifyReport:
+    fmt, root = identify(path)
+    report.path, report.format = str(root), fmt
+    m = inspect(root)
     if fmt == "workbench":
         _check_workbench_files(root, m.info, report, progress)
         if m.quant:
@@ -233,7 +296,11 @@ def _check_quant(root: Path, m: CheckpointManifest, report: VerifyReport) -> Non
     shapes = {r.key: tuple(r.shape) for r in m.frame.itertuples(index=False) if r.shape is not None}
     for key, block in m.quant["keys"].items():
         q, scale = shapes.get(key + Q), shapes.get(key + SCALE)
-        if q is None or scale is None or key in shapes:
+        if q is not None and (type(block) is not int or block <= 0 or not q):
+            report.problems.append(Problem(str(root / "workbench.json"), f"{key} is listed as quantized in blocks of "
+                                           f"{str(block)[:20]}, not a positive block size of a stored tensor",
+                                           "re-save the checkpoint (its manifest is damaged)"))
+        elif q is None or scale is None or key in shapes:
             report.problems.append(Problem(str(root / ".metadata"), f"{key} is listed as quantized but stored "
                                            "otherwise", "re-save the checkpoint (its metadata and manifest disagree)"))
         elif scale != (*q[:-1], q[-1] // int(block)):

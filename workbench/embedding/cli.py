@@ -12,7 +12,7 @@ from workbench.config import PRESETS
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from workbench.embedding.config import EmbeddingConfig
-    from workbench.settings import add_arguments
+    from workbench.settings import add_arguments, output_dir, ranks, seconds
 
     p = sub.add_parser("train-embedding", help="train a contrastive sentence encoder (InfoNCE, cross-rank "
                        "negatives, GradCache chunks) on verse pairs from the shipped text",
@@ -21,14 +21,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     dense = [name for name, cfg in PRESETS.items() if not cfg.n_experts]
     p.add_argument("model", nargs="?", default="tiny",
                    help=f"a dense preset ({', '.join(dense)}) or a Hugging Face config.json path (default tiny)")
-    p.add_argument("--nproc", type=int, default=None, help="processes (default: the product of the degrees)")
+    p.add_argument("--nproc", type=ranks("nproc"), default=None,
+                   help="processes (default: the product of the degrees)")
     add_arguments(p, EmbeddingConfig)
     add_arguments(p, ("parallel", "train"))
     add_arguments(p, "model", given_only=True)
-    p.add_argument("--out", default=None, help="run directory (default: ./runs/embedding-<time>)")
+    p.add_argument("--out", type=output_dir, default=None, help="run directory (default: ./runs/embedding-<time>)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace the run already in --out (its events, config and logs; checkpoints are kept)")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="replace the run already in --out: delete its events, config, logs and "
+                   "checkpoints (with --resume its checkpoints are kept, to resume from)")
+    p.add_argument("--adopt-ckpt-dir", action="store_true", help="save into a --ckpt-dir that another run "
+                   "owns, making this run its owner (its checkpoints stay and rotate with this run's)")
+    p.add_argument("--timeout", type=seconds("timeout"), default=None, metavar="SECONDS",
                    help="stop every rank after this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of progress")
     p.set_defaults(func=cmd_train_embedding)
@@ -49,7 +53,8 @@ def cmd_train_embedding(args: argparse.Namespace) -> int:
 
     try:
         run = train_embedding(args.model, out=args.out, timeout_s=args.timeout, progress=not args.json,
-                              in_process=False, overwrite=args.overwrite, **settings)
+                              in_process=False, overwrite=args.overwrite, adopt_ckpt_dir=args.adopt_ckpt_dir,
+                              **settings)
     except RunDirInUse as e:
         return error(e.for_cli(), args.json)
     except ValueError as e:  # e.g. --resume: no complete checkpoint there

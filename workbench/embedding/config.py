@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workbench.config import _JsonMixin
+from workbench.config import MAX_BATCH, MAX_STEPS, MAX_WIDTH, _JsonMixin
 from workbench.schema import check, setting
 
 POOLINGS = ("mean", "last")
@@ -22,7 +22,7 @@ class EmbeddingConfig(_JsonMixin):
     pooling: str = setting("mean", "pool the final hidden states: mean over real tokens, or the last one",
                            choices=POOLINGS)
     projection: int | None = setting(None, "a linear projection of the pooled states to this size", min=1,
-                                     none="none: the model's hidden size")
+                                     none="none: the model's hidden size", limit=MAX_WIDTH)
     temperature: float = setting(0.05, "InfoNCE temperature (the initial one when learned)", min=0,
                                  exclusive_min=True)
     learn_temperature: bool = setting(False, "learn the temperature (log-parameterised, at least 0.01)")
@@ -31,16 +31,17 @@ class EmbeddingConfig(_JsonMixin):
     hard_negatives: bool = setting(True, "append each query's hard negative (from a verse a few lines on) to the "
                                    "candidates")
     chunk: int | None = setting(None, "GradCache chunk: rows per forward with gradients; the loss still "
-                                "sees the whole global batch", min=1, none="the rank's whole batch")
+                                "sees the whole global batch", min=1, none="the rank's whole batch", limit=MAX_BATCH)
     task: str = setting("crops", "the pairs: two random crops of one verse (crops), or a verse and the next "
                         "one (neighbours, much harder)", choices=TASKS)
     crop: float = setting(0.6, "crops: the fraction of a verse's words in each view", min=0, max=1,
                           exclusive_min=True)
     held_out: int = setting(200, "held-out verses (pairs) for retrieval accuracy: the candidates of each query",
                             min=2)
-    hard_gap: int = setting(3, "a query's hard negative comes from the verse (pair) this far on", min=1)
+    hard_gap: int = setting(3, "a query's hard negative comes from the verse (pair) this far on", min=1,
+                            limit=MAX_STEPS)
     eval_every: int = setting(50, "evaluate retrieval accuracy every N steps (and after the last)", min=0,
-                              off="0: after the last step only", metavar="N")
+                              off="0: after the last step only", metavar="N", limit=MAX_STEPS)
 
     def __post_init__(self) -> None:
         check(self)

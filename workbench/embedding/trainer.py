@@ -232,8 +232,11 @@ def _train(job: JobConfig, ecfg: EmbeddingConfig, run_dir, rank: int, world: int
         base = manifest_base(world, kinds=["model", "optim", "sched", "rng", "extra"], ema=False,
                              layout=pcfg.to_dict(), job={**job.to_dict(), "embedding": ecfg.to_dict()})
         mode = "zero_stall" if tcfg.zero_stall else "async" if tcfg.ckpt_async else "sync"
+        from workbench.train.trainer import ckpt_owner
+
         ckpt = Checkpointer(ckpt_root, every=tcfg.ckpt_every, mode=mode, keep=tcfg.keep,
-                            keep_every=tcfg.keep_every, manifest=base, emit=events.emit, quant=tcfg.ckpt_quant)
+                            keep_every=tcfg.keep_every, manifest=base, emit=events.emit, quant=tcfg.ckpt_quant,
+                            owner=ckpt_owner(job, str(run_dir)))
     start = 0
     if tcfg.resume:
         t0 = time.perf_counter()
@@ -394,7 +397,7 @@ def train_embedding(model: str | ModelConfig | dict = "tiny", *, out: str | Path
                     nproc: int | None = None, parallel: ParallelConfig | dict | None = None,
                     train: TrainConfig | dict | None = None, embedding: EmbeddingConfig | dict | None = None,
                     in_process: bool | None = None, timeout_s: float | None = None, progress: bool = True,
-                    overwrite: bool = False, **settings: Any) -> EmbeddingRun:
+                    overwrite: bool = False, adopt_ckpt_dir: bool = False, **settings: Any) -> EmbeddingRun:
     """Train a contrastive sentence encoder on verse pairs from the shipped text and return the run.
 
     ``settings``: fields of ParallelConfig (``dp_shard=2``, ``tp=2``), TrainConfig (``steps``,
@@ -403,11 +406,13 @@ def train_embedding(model: str | ModelConfig | dict = "tiny", *, out: str | Path
     :func:`workbench.launch` (torchrun; gloo on CPU, NCCL on GPUs: the same ranks, events and failure
     reports as language-model runs); one rank runs in this process unless ``in_process=False``.
     ``out``: the run directory; one that holds a run is refused unless ``resume`` or ``overwrite=True``.
+    Its checkpoint directory (``ckpt_dir``) is checked and claimed as :func:`workbench.launch` does
+    (``adopt_ckpt_dir=True`` takes over one another run owns; :mod:`workbench.train.rundir`).
     ``progress``: a tqdm bar over the steps, with the loss and the latest retrieval accuracy. Raises
     ValueError for invalid settings (before anything starts), RuntimeError with the failing rank's
     message, TimeoutError after ``timeout_s`` (every rank stopped).
     """
-    from workbench.train.rundir import check_reusable, clear_run
+    from workbench.train.rundir import check_outputs, check_reusable, clear_run
 
     job, ecfg = build_embedding_job(model, nproc=nproc, parallel=parallel, train=train, embedding=embedding,
                                     **settings)
@@ -423,17 +428,20 @@ def train_embedding(model: str | ModelConfig | dict = "tiny", *, out: str | Path
         names = set(EmbeddingConfig.__dataclass_fields__)  # already in ecfg
         rest = {k: v for k, v in settings.items() if k not in names}
         run = launch(model, out=run_dir, nproc=nproc, parallel=parallel, train=train, task=embedding_task(ecfg),
-                     overwrite=overwrite, **rest)
+                     overwrite=overwrite, adopt_ckpt_dir=adopt_ckpt_dir, **rest)
         return _follow(run, timeout_s, _Progress(run_dir, job) if progress else None)
     check_reusable(run_dir, resume=job.train.resume is not None, overwrite=overwrite)
+    target = None
     if job.train.resume is not None:  # before anything is written: the checkpoint exists and fits
         from workbench.checkpoint.load import check_resume
 
         root = job.train.ckpt_dir or run_dir / "checkpoints"
-        check_resume(job.train.resume, root, job.model, expected_state(job.model, ecfg))
+        target = check_resume(job.train.resume, root, job.model, expected_state(job.model, ecfg))
+    outputs = check_outputs(run_dir, job, overwrite=overwrite, adopt=adopt_ckpt_dir, resume_target=target)
     if overwrite:
         clear_run(run_dir, keep_checkpoints=job.train.resume is not None)
     run_dir.mkdir(parents=True, exist_ok=True)
+    outputs.claim()
     (run_dir / "events.jsonl").unlink(missing_ok=True)
     (run_dir / "config.json").write_text(json.dumps(job.to_dict(), indent=2))
     (run_dir / EMBEDDING_FILE).write_text(ecfg.to_json())

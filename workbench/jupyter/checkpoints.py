@@ -11,8 +11,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from workbench.jupyter.files import (FileCache, Refused, first_line, inside, json_safe, parse_bool, parse_int,
-                                     parse_scalar, read_json, relative, resolve, stamp)
+from workbench.jupyter.files import (FileCache, Refused, first_line, inside, json_safe, not_found, parse_bool,
+                                     parse_int, parse_scalar, read_json, refusal, relative, resolve, stamp)
+from workbench.safeio import FileRefused, confine
 
 __all__ = ["manifest_of", "manifest_page", "tensor_answer", "verify_answer", "diff_answer", "plan_load_answer"]
 
@@ -38,33 +39,34 @@ class _Opened:
 
 
 def _checkpoint_error(e: Exception, root: Path) -> Refused:
-    return Refused(422, json_safe(str(e), root))
+    return refusal(e, root)  # 404 for a file missing or outside (the same answer), else 422
 
 
 def _opened(root: Path, p: Path) -> _Opened:
     from workbench.checkpoint.contents import identify, inspect
-    from workbench.checkpoint.safeload import CheckpointFormatError
 
     try:
         fmt, where = identify(p)
-    except CheckpointFormatError as e:
+    except FileRefused as e:  # CheckpointFormatError too
         raise _checkpoint_error(e, root) from None
-    if not inside(root, where):
-        raise Refused(403, f"{relative(root, p)}: resolves to {where.name}, outside the server's root; "
-                      "open checkpoints under the root only")
+    except OSError as e:  # a directory that cannot be listed
+        raise Refused(422, f"{relative(root, p)}: cannot be read ({e.strerror or type(e).__name__}); check its "
+                      "permissions") from None
+    if not inside(root, where):  # (the reads were confined to the root: this is a second look at the result)
+        raise not_found(relative(root, p))
 
     def make() -> _Opened:
         try:
             m = inspect(where)
-        except CheckpointFormatError as e:
+        except FileRefused as e:  # CheckpointFormatError too
             raise _checkpoint_error(e, root) from None
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:  # torch.load's own refusals
             raise Refused(422, f"{relative(root, where)}: cannot be read as a {fmt} checkpoint "
                           f"({first_line(e)}); check that the save finished") from None
         base = m.path if m.path.is_dir() else m.path.parent
-        for f in m.files:  # a .metadata or an index may name any path: only files under the root are read
+        for f in m.files:  # the readers confined every name to the checkpoint's directory; a second look
             if not inside(root, base / f):
-                raise Refused(403, f"{relative(root, m.path)}: names data file {f!r} outside the server's root; "
+                raise Refused(404, f"{relative(root, m.path)}: names data file {f!r} outside the server's root; "
                               "refusing to read it")
         return _Opened(m)
 
@@ -122,7 +124,6 @@ def manifest_page(root: Path, p: Path, offset: int = 0, limit: int = 200, filter
 
 
 def tensor_answer(root: Path, p: Path, key: str, bins: int = 64) -> dict[str, Any]:
-    from workbench.checkpoint.safeload import CheckpointFormatError
     from workbench.checkpoint.stats import tensor_stats
 
     o = _opened(root, p)
@@ -131,7 +132,7 @@ def tensor_answer(root: Path, p: Path, key: str, bins: int = 64) -> dict[str, An
     if key not in m:  # a canonical name (model.layers.0...) of a tensor stored under another (an export's)
         try:
             stored = o.tensor_source().keys.get(key, key)
-        except CheckpointFormatError as e:
+        except FileRefused as e:  # CheckpointFormatError too
             raise _checkpoint_error(e, root) from None
     try:
         row = m.row(stored)
@@ -143,7 +144,7 @@ def tensor_answer(root: Path, p: Path, key: str, bins: int = 64) -> dict[str, An
     try:
         with o.lock:  # one reader per checkpoint at a time: sources keep open file handles
             stats = tensor_stats(o.tensor_source(), key, bins=bins)
-    except CheckpointFormatError as e:
+    except FileRefused as e:  # CheckpointFormatError too
         raise _checkpoint_error(e, root) from None
     except KeyError as e:
         raise Refused(404, f"{e.args[0] if e.args else key}; pick a key from checkpoint/manifest") from None
@@ -161,10 +162,10 @@ def verify_answer(root: Path, p: Path, deep: bool = False) -> dict[str, Any]:
 
     m = manifest_of(root, p)
     listed = m.info.get("files") if m.format == "workbench" else None
-    for f in listed if isinstance(listed, dict) else ():  # workbench.json names the files verify hashes
+    for f in listed if isinstance(listed, dict) else ():  # verify confines them too; refused here as a whole
         if not inside(root, m.path / str(f)):
-            raise Refused(403, f"{relative(root, m.path)}/workbench.json lists {f!r}, outside the server's root; "
-                          "refusing to read it")
+            raise Refused(404, f"{relative(root, m.path)}/workbench.json lists {str(f)[:200]!r}, outside the "
+                          "server's root; refusing to read it")
     return verify(m.path, deep=deep, progress=False).to_dict()
 
 
@@ -189,8 +190,11 @@ def _target_of(root: Path, like: str) -> tuple[dict, dict | None]:
     writes (its layout and model), or a plan JSON (``workbench plan --json``: its layout, and its model if
     recorded)."""
     p = resolve(root, like, "like")
-    f = p / "config.json" if p.is_dir() else p
     rel = relative(root, p)
+    try:  # a run directory's config.json is its own file, not a link out of the run (or the root)
+        f = confine(p, "config.json", p, "run config") if p.is_dir() else p
+    except FileRefused:
+        raise not_found(f"{rel}/config.json") from None
     if not f.is_file() or f.suffix != ".json":
         raise Refused(422, f"{rel}: not a run directory, config.json or plan JSON; pick a run directory "
                       "(workbench.launch / workbench train) or a plan written by `workbench plan --json`")

@@ -14,10 +14,10 @@ A problem is a :class:`Refused`: one line naming the problem and the fix, with t
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
+import stat
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Refused", "resolve", "relative", "inside", "stamp", "FileCache", "json_safe", "read_json", "first_line",
+__all__ = ["Refused", "resolve", "not_found", "refusal", "relative", "inside", "stamp", "FileCache", "json_safe", "read_json", "first_line",
            "parse_int", "parse_float", "parse_bool", "parse_scalar"]
 
 MAX_LIMIT = 2000  # rows of one page
@@ -50,23 +50,50 @@ def resolve(root: Path, rel: str | None, what: str = "path", allow_hidden: bool 
     """``rel`` (relative to the server's root) as an absolute path inside ``root``, or :class:`Refused`.
 
     Symlinks are followed before the check, so a link that points outside the root is refused like
-    ``../``. A leading ``/`` means the root, as in the contents API."""
+    ``../``, and with the same answer as a path that does not exist (:func:`not_found`): the reply never
+    tells what exists outside the root. A leading ``/`` means the root, as in the contents API. Hidden
+    components are refused in the path as given and in the path it resolves to (a visible link to a
+    hidden file is hidden). Only directories and regular files are served: a FIFO or a device is refused
+    before anything opens it."""
     if rel is None or not str(rel).strip():
         raise Refused(400, f"missing ?{what}=; pass a path relative to the server's root directory")
     rel = str(rel).strip()
     if "\x00" in rel:
         raise Refused(400, f"{what} contains a NUL byte; pass a plain relative path")
     p = Path(rel.lstrip("/"))  # as the contents API reads it: "/a/b" is "a/b" under the root
-    if not allow_hidden and any(part.startswith(".") and part not in (".", "..") for part in p.parts):
-        raise Refused(403, f"{rel}: hidden files are not served (ContentsManager.allow_hidden is False); "
-                      "open the directory that holds it, or start the server with allow_hidden")
     root = root.resolve()
     full = (root / p).resolve()
     if not full.is_relative_to(root):
-        raise Refused(403, f"{rel}: lies outside the server's root directory; open files under the root only")
-    if not full.exists():
-        raise Refused(404, f"{rel}: no such file or directory; check the path")
+        raise not_found(rel)
+    if not allow_hidden and (_hidden(p.parts) or _hidden(full.relative_to(root).parts)):
+        raise Refused(403, f"{rel}: hidden files are not served (ContentsManager.allow_hidden is False); "
+                      "open the directory that holds it, or start the server with allow_hidden")
+    try:
+        mode = full.stat().st_mode
+    except OSError:
+        raise not_found(rel) from None
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        raise Refused(422, f"{rel}: not a regular file or directory (a FIFO, socket or device); nothing is read "
+                      "from it; open a file or a directory")
     return full
+
+
+def _hidden(parts) -> bool:
+    return any(part.startswith(".") and part not in (".", "..") for part in parts)
+
+
+def not_found(rel: str) -> Refused:
+    """The one answer for a path that does not exist and for one that leads outside the root (by ``..``, an
+    absolute name or a link): the client learns nothing about what exists outside."""
+    return Refused(404, f"{rel}: no such file or directory under the server's root; check the path")
+
+
+def refusal(e: Exception, root: Path) -> Refused:
+    """A file refused by :mod:`workbench.safeio` or a checkpoint reader, as the answer to send: 404 for a file
+    missing or outside (its directory or the root), 422 for anything else, in the reader's words with paths
+    under the root made relative. The words depend only on the name and on what lies inside the root: a
+    name is refused by its text and a link by where it points, before anything outside is looked at."""
+    return Refused(404 if getattr(e, "reason", "format") in ("missing", "outside") else 422, json_safe(str(e), root))
 
 
 def relative(root: Path, p: Path | str) -> str:
@@ -159,15 +186,17 @@ def first_line(e: BaseException) -> str:
     return text[0][:300] if text else type(e).__name__
 
 
-def read_json(p: Path) -> Any:
-    if p.stat().st_size > MAX_JSON_BYTES:
-        raise Refused(422, f"{p.name}: {p.stat().st_size} bytes is too large for a workbench JSON file; "
-                      "open a plan written by `workbench plan --json` or ShardingPlan.to_json()")
+def read_json(p: Path, limit: int = MAX_JSON_BYTES) -> Any:
+    """``p`` parsed as JSON: a regular file (never a FIFO or device) of at most ``limit`` bytes, inside the
+    root of the answer being given (workbench.safeio); each problem one :class:`Refused` naming the file."""
+    from workbench.safeio import FileRefused, read_json as read_bounded_json
+
     try:
-        return json.loads(p.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Refused(422, f"{p.name}: not valid JSON ({getattr(e, 'msg', 'not UTF-8 text')}); "
-                      "the file is damaged or not JSON") from None
+        return read_bounded_json(p, limit, "workbench JSON file", fix="the file is damaged or not JSON; open a plan "
+                                 "written by `workbench plan --json` or ShardingPlan.to_json()")
+    except FileRefused as e:
+        status = 404 if e.reason in ("missing", "outside") else 422
+        raise Refused(status, f"{p.name}: {e.problem}; {e.fix}") from None
 
 
 def parse_int(v: str, name: str, lo: int | None = None, hi: int | None = None) -> int:

@@ -2,13 +2,17 @@
 
 Every ``path``/``other`` is relative to the server's root directory (what JupyterLab's file browser
 calls a path: ``runs/r1/checkpoints/step-000002``; a leading ``/`` means the root). One that escapes the
-root (``..``, a symlink that points outside, a checkpoint whose metadata names files outside) is refused,
-and so is a hidden one unless the server allows hidden files (``ContentsManager.allow_hidden``). Requests need
+root (``..``, a symlink that points outside) is answered as a path that does not exist (the same 404: the
+client learns nothing about what is outside), and so is a file that an index, a ``.metadata``, a manifest,
+``latest`` or a run directory names outside its directory or the root: every answer opens files through
+``workbench.safeio`` confined to the root, so such a name is refused before anything is opened. A hidden
+path (as given or as it resolves) is refused unless the server allows hidden files
+(``ContentsManager.allow_hidden``); a FIFO or device is never opened. Requests need
 the server's token or cookie, like the contents API. Numbers are plain JSON: NaN and inf become null.
 Absolute paths under the root inside answers (an event's checkpoint path, a verify problem's file) are
 sent relative to the root, so the client can pass them back as ``path``.
 
-Errors: HTTP 400 (a bad query argument), 403 (outside the root), 404 (no such file, key or rank), 422
+Errors: HTTP 400 (a bad query argument), 403 (a hidden path), 404 (no such file, key or rank; or outside), 422
 (a file that is not what it claims, damaged, or hostile: nothing is ever unpickled), 500 (a bug), each
 with the body ``{"error": "<one line: the problem; the fix>"}``.
 
@@ -100,12 +104,14 @@ returned, not what is counted; ``points`` > 0 adds per-rank step series downsamp
     {"path", "total", "since", "next" (pass as since next time; == total when caught up),
      "events": [event objects: type, rank, time, ...], "status": "running" | "succeeded" | "failed" | "stopped",
      "summary": {"status", "model", "layout", "steps_planned", "steps_logged", "first_loss", "final_loss",
-                 "last_step", "peak_mem_bytes", "ranks", "checkpoints": [steps], "error": {rank, message}},
+                 "last_step", "peak_mem_bytes", "ranks", "checkpoints": [steps], "error": {rank, message},
+                 "skipped_lines" (damaged lines of events.jsonl, skipped), "first_skipped": "line N: why"},
      "series": {rank: {"step": [...], "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr"}},
      "checkpoints": [{"step", "path", "latest"}] (the step-* directories of RUN_DIR/checkpoints and those its
                     checkpoint events name, under the root: the way in, since JupyterLab's file browser
                     cannot enter a folder named "checkpoints")}
-    (a pipeline run's summary also has "pipeline": {"schedule", "microbatches"})
+    (a pipeline run's summary also has "pipeline": {"schedule", "microbatches"}; 422 for an events.jsonl
+    none of whose lines is an event)
 
 ``GET run/pipeline?path=&step=`` (default: the last step every pipeline rank reported, not the warm-up
 step 0 unless it is the only one; 404 for a run with no ``schedule`` events, i.e. pp = 1) -> one step's
@@ -121,6 +127,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -131,6 +138,7 @@ from tornado import web
 from workbench.jupyter import checkpoints, files, plans, runs, timelines
 from workbench.jupyter.files import Refused
 from workbench.jupyter.opening import open_info
+from workbench.safeio import FileRefused, confined_to
 
 try:  # jupyter_server >= 2: the same permission the contents API asks for reading files
     from jupyter_server.auth.decorator import authorized
@@ -178,23 +186,66 @@ class _WorkbenchHandler(APIHandler):
         return None if not v else [x.strip() for x in v.split(",") if x.strip()]
 
     # -- the one GET ------------------------------------------------------------------------------
+    def confined_answer(self) -> dict[str, Any]:
+        """``answer()`` with every file open confined to the root (workbench.safeio): whatever a checkpoint,
+        an index, a manifest or a run names, nothing outside the root is opened."""
+        with confined_to(self.root):
+            try:
+                return self.answer()
+            except FileRefused as e:  # CheckpointFormatError too, where an answer did not map it itself
+                raise files.refusal(e, self.root) from None
+
     @web.authenticated
     @authorized
     async def get(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            body = await loop.run_in_executor(None, self.answer)
+            body = await loop.run_in_executor(None, self.confined_answer)
             status = 200
         except Refused as e:
             status, body = e.status, {"error": str(e)}
-        except Exception as e:  # a bug: still one line, and the traceback goes to the server log
-            self.log.exception("workbench: %s failed", self.request.uri)
-            status, body = 500, {"error": f"internal error in the workbench server extension: {type(e).__name__}: "
-                                           f"{files.first_line(e)}; see the jupyter server log"}
+        except Exception as e:
+            user = _user_error(e, self.root)
+            if user is not None:  # bad input the answer did not map itself: still a 4xx, never a 500
+                status, body = user.status, {"error": str(user)}
+            else:  # a bug: still one line, and the traceback goes to the server log
+                self.log.exception("workbench: %s failed", self.request.uri)
+                status, body = 500, {"error": f"internal error in the workbench server extension: "
+                                               f"{type(e).__name__}: {files.first_line(e)}; see the jupyter server log"}
         self.set_status(status)
         self.set_header("Content-Type", "application/json")
         self.set_header("Cache-Control", "no-store")
         self.finish(json.dumps(files.json_safe(body, self.root), allow_nan=False))
+
+
+def _user_error(e: Exception, root: Path) -> Refused | None:
+    """The 4xx answer for an error that bad input causes (a query that is not UTF-8, a directory where a
+    file belongs, a file that cannot be read or parsed), or None for a bug. Paths are sent relative to the
+    root; no bytes of any file are echoed."""
+    if isinstance(e, web.HTTPError):  # tornado's own refusal, e.g. a query argument that is not UTF-8 (400)
+        if e.status_code == 400 and "unicode" in (e.log_message or "").lower():
+            return Refused(400, "a query argument is not UTF-8 text; send the query percent-encoded as UTF-8")
+        if 400 <= e.status_code < 500:
+            return Refused(e.status_code, f"{e.reason or 'bad request'} ({e.status_code}); check the query")
+        return None
+    if isinstance(e, OSError) and e.errno is not None:
+        named = isinstance(e.filename, (str, bytes, os.PathLike)) and files.inside(root, Path(os.fsdecode(e.filename)))
+        rel = files.relative(root, Path(os.fsdecode(e.filename))) if named else "a file"  # never one outside
+        if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+            return files.not_found(rel)
+        if isinstance(e, IsADirectoryError):
+            return Refused(400, f"{rel}: is a directory, not a file; pass a file of the kind this view opens")
+        if isinstance(e, PermissionError):
+            return Refused(403, f"{rel}: the server may not read it (permission denied); check its permissions")
+        return Refused(422, f"{rel}: cannot be read ({e.strerror or type(e).__name__}); check the file")
+    if isinstance(e, UnicodeDecodeError):
+        return Refused(422, "a file is not UTF-8 text where text was expected; the file is damaged or not "
+                       "what its name says")
+    if isinstance(e, RecursionError):
+        return Refused(422, "a file nests too deeply to read; the file is damaged or hostile")
+    if isinstance(e, MemoryError):
+        return Refused(422, "a file claims sizes too large to read; the file is damaged or hostile")
+    return None
 
 
 def _route(fn: Callable[[_WorkbenchHandler], dict[str, Any]]) -> type[_WorkbenchHandler]:

@@ -6,15 +6,18 @@ from pathlib import Path
 from typing import Any
 
 from workbench.jupyter.checkpoints import manifest_of
-from workbench.jupyter.files import Refused, read_json, relative
+from workbench.jupyter.files import Refused, inside, read_json, relative
 from workbench.jupyter.plans import looks_like_plan
 from workbench.jupyter.timelines import warm
 
 __all__ = ["open_info", "is_run_dir"]
 
 
-def is_run_dir(p: Path) -> bool:
-    return p.is_dir() and (p / "events.jsonl").is_file()
+def is_run_dir(p: Path, root: Path | None = None) -> bool:
+    """A directory with an events.jsonl of its own (with ``root``: one that does not lead out of it; what
+    lies outside is not even looked at)."""
+    log = p / "events.jsonl"
+    return p.is_dir() and (root is None or inside(root, log)) and log.is_file()
 
 
 def open_info(root: Path, p: Path) -> dict[str, Any]:
@@ -23,10 +26,10 @@ def open_info(root: Path, p: Path) -> dict[str, Any]:
 
     rel = relative(root, p)
     base = {"path": rel, "name": p.name, "is_dir": p.is_dir()}
-    if is_run_dir(p) or (p.is_file() and p.name == "events.jsonl"):
+    if is_run_dir(p, root) or (p.is_file() and p.name == "events.jsonl"):
         run = p if p.is_dir() else p.parent
         out = {**base, "view": "run", "format": "run", "run": relative(root, run)}
-        if (run / "checkpoints").is_dir():
+        if inside(root, run / "checkpoints") and (run / "checkpoints").is_dir():
             out["checkpoints"] = relative(root, run / "checkpoints")
         return out
     if p.is_file() and p.suffix in (".pickle", ".pkl"):
@@ -42,10 +45,12 @@ def open_info(root: Path, p: Path) -> dict[str, Any]:
         if kind == "profiler":
             return {**base, "view": "snapshot", "format": "profiler", "bytes": p.stat().st_size}
         doc = read_json(p)
-        if looks_like_plan(doc):
-            s = doc.get("summary") or {}
-            return {**base, "view": "plan", "format": "plan", "model": s.get("model_name"),
-                    "layout": s.get("layout"), "world_size": s.get("world_size")}
+        if looks_like_plan(doc):  # (its summary an object: what the plan view checks in full when it opens)
+            s = doc["summary"]
+            shown = {k: v for k, v in (("model", s.get("model_name")), ("layout", s.get("layout")),
+                                       ("world_size", s.get("world_size"))) if type(v) in (str, int)}
+            return {**base, "view": "plan", "format": "plan", "model": None, "layout": None, "world_size": None,
+                    **shown}
         raise Refused(422, f"{rel}: a JSON file that is not a workbench plan (needs summary, parallel and "
                       "tensors); write one with `workbench plan MODEL --json > plan.json` or ShardingPlan.to_json()")
     if p.is_dir() and identify_memory_file(p) is not None and not (p / ".metadata").exists():

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from workbench.jupyter.files import FileCache, Refused, first_line, read_json, relative, stamp
+from workbench.jupyter.files import FileCache, Refused, read_json, relative, stamp
 
 __all__ = ["looks_like_plan", "plan_table"]
 
@@ -14,8 +13,10 @@ _PLANS = FileCache(8)
 
 
 def looks_like_plan(doc: Any) -> bool:
-    return isinstance(doc, dict) and all(k in doc for k in ("summary", "parallel", "tensors")) and \
-        isinstance(doc.get("tensors"), list)
+    """Whether ``doc`` has a plan's shape (an object ``summary``, an object ``parallel``, a list ``tensors``):
+    what ``open`` decides the view by, before :func:`_load_plan` checks every field."""
+    return isinstance(doc, dict) and isinstance(doc.get("summary"), dict) and isinstance(doc.get("parallel"), dict) \
+        and isinstance(doc.get("tensors"), list)
 
 
 def _load_plan(root: Path, p: Path):
@@ -26,12 +27,11 @@ def _load_plan(root: Path, p: Path):
         if not looks_like_plan(doc):
             raise Refused(422, f"{relative(root, p)}: not a workbench plan (needs summary, parallel and tensors); "
                           "write one with `workbench plan MODEL --json > plan.json`")
-        try:
-            plan = ShardingPlan.from_json(json.dumps(doc))
-            plan.rank_bytes()  # computed once, while cached
-        except (KeyError, TypeError, ValueError) as e:
-            raise Refused(422, f"{relative(root, p)}: a plan JSON that does not read back ({first_line(e)}); "
-                          "re-write it with the installed workbench") from None
+        try:  # every field checked (workbench.plan.plan_json): a damaged plan is one line naming the field
+            plan = ShardingPlan.from_dict(doc, relative(root, p))
+        except ValueError as e:
+            raise Refused(422, str(e)) from None
+        plan.rank_bytes()  # computed once, while cached
         return plan, doc
 
     return _PLANS.get((str(p), stamp(p)), make)
@@ -60,6 +60,7 @@ def plan_table(root: Path, p: Path, offset: int = 0, limit: int = 256) -> dict[s
            "parallel": plan.parallel.to_dict(), "mesh": dict(zip(plan.mesh_dim_names, plan.mesh_shape)),
            "categories": cols, "world_size": plan.world_size, "offset": offset, "limit": limit, "rows": rows,
            "distinct": distinct, "n_distinct": len(groups), "comm": comm.to_dict("records"), "notes": plan.notes}
-    if "predicted_peak_bytes" in doc:
-        out["predicted_peak_bytes"] = doc["predicted_peak_bytes"]
+    peaks = doc.get("predicted_peak_bytes")
+    if isinstance(peaks, dict) and all(type(v) is int for v in peaks.values()):  # rank -> bytes, as to_json writes
+        out["predicted_peak_bytes"] = peaks
     return out

@@ -3,14 +3,15 @@ checkpoints, and one pipeline step's measured schedule (pp > 1)."""
 
 from __future__ import annotations
 
-import json
+import math
 import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from workbench.jupyter.files import FileCache, Refused, inside, relative
+from workbench import safeio
+from workbench.jupyter.files import FileCache, Refused, inside, refusal, relative
 
 __all__ = ["run_events", "run_pipeline", "run_checkpoints"]
 
@@ -18,7 +19,8 @@ _RUNS = FileCache(16)
 
 
 class _RunState:
-    """Events read so far from one run's events.jsonl; each request reads only what was appended."""
+    """Events read so far from one run's events.jsonl; each request reads only what was appended.
+    Damaged lines are skipped and counted by the reader (``reader.skipped``: the summary's ``skipped_lines``)."""
 
     def __init__(self, run_dir: Path):
         from workbench.train.events import EventReader
@@ -74,10 +76,16 @@ def _run_summary(run_dir: Path, events: list[dict]) -> dict[str, Any]:
     from workbench.train.events import LAUNCHER_RANK
 
     out: dict[str, Any] = {"status": "running"}
-    cfg = run_dir / "config.json"
-    if cfg.is_file() and cfg.stat().st_size < (4 << 20):
+    try:  # the run's own config.json: not a link out of the run, a regular file of a few MiB at most
+        job = safeio.read_json(safeio.confine(run_dir, "config.json", run_dir, "run config"), 4 << 20, "run config")
+    except safeio.FileRefused as e:
+        job = None
+        if e.reason != "missing":
+            out["config_error"] = f"config.json: {e.problem}"
+    if job is not None:
         try:
-            job = json.loads(cfg.read_text())
+            if not isinstance(job, dict):
+                raise AttributeError("not an object")
             out["model"] = (job.get("model") or {}).get("name")
             par = job.get("parallel") or {}
             try:
@@ -87,8 +95,8 @@ def _run_summary(run_dir: Path, events: list[dict]) -> dict[str, Any]:
             except (ValueError, TypeError, KeyError):
                 out["layout"] = None
             out["steps_planned"] = (job.get("train") or {}).get("steps")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            out["config_error"] = "config.json is not valid JSON"
+        except AttributeError:
+            out["config_error"] = "config.json is not a run's config (not an object of settings)"
     steps = [e for e in events if e.get("type") == "step"]
     errors = [e for e in events if e.get("type") == "error"]
     end = next((e for e in reversed(events) if e.get("type") == "run_end" and e.get("rank") == LAUNCHER_RANK), None)
@@ -102,7 +110,8 @@ def _run_summary(run_dir: Path, events: list[dict]) -> dict[str, Any]:
         out["steps_logged"] = len({e.get("step") for e in steps})
         out["first_loss"], out["final_loss"] = mine[0].get("loss"), mine[-1].get("loss")
         out["last_step"] = max(int(e.get("step", 0)) for e in steps)
-        mem = [e["mem_bytes"] for e in steps if isinstance(e.get("mem_bytes"), (int, float))]
+        mem = [e["mem_bytes"] for e in steps if isinstance(e.get("mem_bytes"), (int, float))
+               and math.isfinite(e["mem_bytes"])]
         if mem:
             out["peak_mem_bytes"] = int(max(mem))
     out["ranks"] = sorted({int(e["rank"]) for e in events if isinstance(e.get("rank"), int) and e["rank"] >= 0})
@@ -121,15 +130,35 @@ def _run_summary(run_dir: Path, events: list[dict]) -> dict[str, Any]:
 
 
 def _run_dir(root: Path, p: Path) -> Path:
+    """The run directory of ``p`` (itself, or the directory of its events.jsonl), once its events.jsonl is
+    known to be its own: a regular file inside it, not a link out of the run or the root (then, like a
+    missing one, 404) and not a FIFO (whose open would block a server thread)."""
     run_dir = p if p.is_dir() else p.parent
-    if not (run_dir / "events.jsonl").is_file():
-        raise Refused(404, f"{relative(root, run_dir)}: has no events.jsonl; open a run directory written by "
+    missing = Refused(404, f"{relative(root, run_dir)}: has no events.jsonl; open a run directory written by "
                       "workbench train / workbench.launch")
+    try:
+        safeio.regular_size(safeio.confine(run_dir, "events.jsonl", run_dir, "event log"), "event log")
+    except safeio.FileRefused as e:
+        if e.reason in ("missing", "outside"):
+            raise missing from None
+        raise Refused(422, f"{relative(root, run_dir)}/events.jsonl: {e.problem}; {e.fix}") from None
     return run_dir
 
 
-def _events_of(run_dir: Path) -> list[dict]:
-    return _RUNS.get((str(run_dir),), lambda: _RunState(run_dir)).refresh()
+def _events_of(root: Path, run_dir: Path) -> tuple[list[dict], "_RunState"]:
+    """The run's events so far (and its state, for the count of damaged lines), or :class:`Refused`: its
+    events.jsonl is not a regular file inside the run (swapped since :func:`_run_dir` looked), or none of
+    its lines is an event."""
+    from workbench.train.events import NOT_A_LOG_FIX
+
+    state = _RUNS.get((str(run_dir),), lambda: _RunState(run_dir))
+    try:
+        events = state.refresh()
+    except safeio.FileRefused as e:
+        raise refusal(e, root) from None
+    if state.reader.not_a_log:
+        raise Refused(422, f"{relative(root, run_dir)}/events.jsonl: {state.reader.not_a_log}; {NOT_A_LOG_FIX}")
+    return events, state
 
 
 def run_checkpoints(root: Path, run_dir: Path, events: list[dict]) -> list[dict[str, Any]]:
@@ -138,10 +167,13 @@ def run_checkpoints(root: Path, run_dir: Path, events: list[dict]) -> list[dict[
     those its ``checkpoint`` events name (a run may save elsewhere), under the root and still on disk."""
     from workbench.checkpoint.store import CheckpointStore, parse_step
 
-    store = CheckpointStore(run_dir / "checkpoints")
     found: dict[str, dict[str, Any]] = {}
-    latest = store.latest_pointer()
-    for step in store.steps():
+    try:  # the run's checkpoints/, not a link out of the run: nothing outside the root is listed
+        store = CheckpointStore(safeio.confine(run_dir, "checkpoints", run_dir, "checkpoint directory"))
+    except safeio.FileRefused:
+        store = None
+    latest = store.latest_pointer() if store is not None else None
+    for step in store.steps() if store is not None else ():
         d = store.path(step)
         if not inside(root, d):  # a step directory linked to outside the root
             continue
@@ -151,9 +183,13 @@ def run_checkpoints(root: Path, run_dir: Path, events: list[dict]) -> list[dict[
             continue
         d = Path(e["path"])
         d = d if d.is_absolute() else root / d
-        if d.is_dir() and inside(root, d) and str(d.resolve()) not in found:
-            found[str(d.resolve())] = {"step": e.get("step", parse_step(d.name)), "path": relative(root, d),
-                                       "latest": False}
+        try:  # nothing outside is even looked at
+            if not (inside(root, d) and d.is_dir()) or str(d.resolve()) in found:
+                continue
+        except ValueError:  # a path no file can have (a NUL, a lone surrogate): what a damaged event names
+            continue
+        found[str(d.resolve())] = {"step": e.get("step", parse_step(d.name)), "path": relative(root, d),
+                                   "latest": False}
     return sorted(found.values(), key=lambda c: (c["step"] is None, c["step"] or 0, c["path"]))
 
 
@@ -164,7 +200,7 @@ def run_pipeline(root: Path, p: Path, step: int | None = None) -> dict[str, Any]
                                                     schedule_shape, theoretical_bubble)
 
     run_dir = _run_dir(root, p)
-    events = _events_of(run_dir)
+    events, _ = _events_of(root, run_dir)
     rel = relative(root, run_dir)
     try:  # the last step every pipeline rank reported, unless ``step`` names a complete one
         step = pipeline_step(events, step)
@@ -193,7 +229,7 @@ def run_pipeline(root: Path, p: Path, step: int | None = None) -> dict[str, Any]
 def run_events(root: Path, p: Path, since: int = 0, types: list[str] | None = None, limit: int = 5000,
                points: int = 0) -> dict[str, Any]:
     run_dir = _run_dir(root, p)
-    events = _events_of(run_dir)
+    events, state = _events_of(root, run_dir)
     n = len(events)
     since = min(since, n)
     nxt = min(n, since + limit)
@@ -202,6 +238,10 @@ def run_events(root: Path, p: Path, since: int = 0, types: list[str] | None = No
         chunk = [e for e in chunk if e.get("type") in types]
     out = {"path": relative(root, run_dir), "total": n, "since": since, "next": nxt, "events": chunk,
            "summary": _run_summary(run_dir, events), "checkpoints": run_checkpoints(root, run_dir, events)}
+    # damaged lines (a torn last line of a killed run, a flipped bit) are skipped, and the view says how many
+    out["summary"]["skipped_lines"] = state.reader.skipped
+    if state.reader.first_damage:
+        out["summary"]["first_skipped"] = state.reader.first_damage
     out["status"] = out["summary"]["status"]
     if points > 0:
         out["series"] = _step_series(events, points)

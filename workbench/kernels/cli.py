@@ -17,9 +17,12 @@ from workbench.cli_output import EXIT_FAILED, emit_json, error
 __all__ = ["add_parser"]
 
 DTYPE_CHOICES = ("fp32", "bf16", "fp16")
+MAX_SIZE = 1 << 31  # elements of one kernel case's tensor: 8 GiB of fp32, more than any case needs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from workbench.schema import bounded
+
     p = sub.add_parser("kernels", help="Triton kernels: check them against the reference, time them, status",
                        description="Our Triton kernels (torch custom ops): correctness against the torch "
                                    "reference path and torch's own ops, and speed against torch eager, "
@@ -31,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                     "small sizes and edge cases, and compare (bitwise where exact). Exit 1 on "
                                     "any failure.")
     _selection(c)
-    c.add_argument("--size", type=int, action="append", default=None,
+    c.add_argument("--size", type=bounded("int", "size", min=1, limit=MAX_SIZE), action="append", default=None,
                    help="size to make (repeatable; default: each case's check sizes)")
     c.add_argument("--no-edge", action="store_true", help="leave out the edge cases")
     c.add_argument("--rows", action="store_true", help="print every row, not one line per case")
@@ -44,7 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                     "shows the torch reference path's CPU times at small sizes.")
     _selection(b)
     b.add_argument("--sizes", default=None, help="comma list of sizes (default: each case's bench sizes)")
-    b.add_argument("--repeats", type=int, default=20, help="timed repeats per measurement (the median is kept)")
+    b.add_argument("--repeats", type=bounded("int", "repeats", min=1, limit=10_000), default=20,
+                   help="timed repeats per measurement (the median is kept)")
     b.add_argument("--no-compile", action="store_true", help="do not time torch.compile")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
@@ -89,7 +93,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()] if args.sizes else None
     except ValueError:
-        return error(f"cannot read --sizes {args.sizes!r}; write a comma list of integers like 1048576,16777216",
+        return error(f"cannot read --sizes {args.sizes[:60]!r}; write a comma list of integers like "
+                     "1048576,16777216", args.json)
+    bad = [s for s in sizes or () if not 1 <= s <= MAX_SIZE]
+    if bad:
+        return error(f"--sizes {bad[0]} is outside 1..{MAX_SIZE} elements; write sizes like 1048576,16777216",
                      args.json)
     try:
         result = bench(ops=args.op, dtypes=args.dtype, sizes=sizes, repeats=args.repeats,

@@ -107,6 +107,7 @@ class MemoryRecorder:
         self.clock = clock
         self.source = source
         self._builder = TimelineBuilder(rank)
+        self._library_blocks = 0  # library_block()'s ids: -1, -2, ...
         self._live: dict[int, list] = {}  # id(storage) -> [ident, nbytes, weakref to storage]
         self._final: dict[int, str] = {}  # ident -> strongest identity known
         self._cat_live: dict[str, int] = {c: 0 for c in CATEGORIES}
@@ -396,6 +397,12 @@ class MemoryRecorder:
         self._step_peak = self._live_bytes
         self._step_peak_by_cat = dict(self._cat_live)
         return out
+
+    def library_block(self, nbytes: int, op: str, phase: str = "forward") -> bool:
+        """Count ``nbytes`` that a library takes from the allocator once and keeps (cuBLAS's workspaces) from
+        the first event of ``phase`` on, as category 'other'. False when nothing ran in that phase."""
+        self._library_blocks += 1
+        return self._builder.insert_before_first(phase, nbytes, "other", op, ident=-self._library_blocks)
 
     def timeline(self, **meta) -> MemoryTimeline:
         """The events so far, each labelled with the strongest identity its storage ever had."""

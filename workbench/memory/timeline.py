@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import json
 import os
+import tokenize
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -119,6 +122,15 @@ class TimelineBuilder:
     def add(self, t: float, delta: int, category: str, phase: str, step: int, microbatch: int,
             module: str, op: str, ident: int) -> None:
         self.rows.append((t, delta, category, phase, step, microbatch, module, op, ident))
+
+    def insert_before_first(self, phase: str, delta: int, category: str, op: str, ident: int) -> bool:
+        """A block that something outside the tracked tensor ops allocates, put just before the first event
+        of ``phase`` (with that event's time, step and module). False when no event has that phase."""
+        for i, row in enumerate(self.rows):
+            if row[3] == phase:
+                self.rows.insert(i, (row[0], int(delta), category, phase, row[4], row[5], row[6], op, ident))
+                return True
+        return False
 
     def frame(self, categories: dict[int, str] | None = None) -> pd.DataFrame:
         """The events as a frame. ``categories`` (id -> category) overrides what was known at allocation:
@@ -427,7 +439,11 @@ class MemoryTimeline(RendersInNotebook):
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "MemoryTimeline":
-        """Read what :meth:`save` wrote: a ``memory/`` directory or a run directory holding one."""
+        """Read what :meth:`save` wrote: a ``memory/`` directory or a run directory holding one.
+
+        Every file may be damaged or hostile: each is a regular file of a plausible size (never a FIFO
+        that would block), its JSON is checked field by field, its arrays against the sizes their headers
+        claim, and any problem is one ValueError naming the file."""
         d = Path(path)
         if d.is_dir() and not list(d.glob("rank*.json")) and (d / "memory").is_dir():
             d = d / "memory"  # a run directory
@@ -437,28 +453,25 @@ class MemoryTimeline(RendersInNotebook):
         if not infos:
             raise FileNotFoundError(f"{d} holds no memory timeline (no rank*.json); record one with "
                                     "`workbench train ... --memory` or `workbench memory record`")
+        from workbench.safeio import confine
+
         frames, base, meta = [], {}, {}
         source = device = None
         for info_path in infos:
-            try:
-                info = json.loads(info_path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{info_path} is not valid JSON ({e.msg}); the timeline is damaged, record it "
-                                 "again") from None
-            if not isinstance(info, dict) or info.get("format") != "workbench.memory_timeline":
-                raise ValueError(f"{info_path} is not a workbench memory timeline")
-            r = int(info["rank"])
-            f = d / f"rank{r}.npz"
+            # files of this directory: a link out of it is refused before it is opened
+            info = _read_info(confine(d, info_path.name, what="memory timeline record"))
+            r = info["rank"]
+            f = confine(d, f"rank{r}.npz", what="memory timeline file")
             if not f.exists():
                 raise FileNotFoundError(f"{f} is missing: rank {r}'s events were not written (did the rank crash?)")
             frames.append(_read_npz(f, r))
-            base[r] = int(info.get("base_bytes", 0))
-            m = dict(info.get("meta", {}))
+            base[r] = info["base_bytes"]
+            m = dict(info["meta"])
             per = m.pop("base_by_category", None)
-            if per:
+            if isinstance(per, dict):
                 meta.setdefault("base_by_category", {}).update(per)
             meta.update(m)
-            source, device = source or info.get("source"), device or info.get("device")
+            source, device = source or info["source"], device or info["device"]
         frame = pd.concat(frames, ignore_index=True)
         return cls(frame, source=source or "measured", device=device or "cpu", base_bytes=base, meta=meta)
 
@@ -498,8 +511,51 @@ def extreme_indices(values: np.ndarray, points: int) -> np.ndarray:
 
 
 def _rank_number(stem: str) -> int:
-    digits = "".join(ch for ch in stem if ch.isdigit())
-    return int(digits) if digits else 0
+    digits = "".join(ch for ch in stem if ch in "0123456789")
+    return int(digits) if 0 < len(digits) <= 9 else 0  # (a longer run of digits names no rank)
+
+
+_INFO_MAX = 16 << 20  # a rank's JSON: source, device, base bytes and meta (a few KB when written)
+_META_DEPTH = 16      # meta nests a few levels (base_by_category, downsampled); printing it must not recurse deep
+_MAX_INFLATE = 1100   # deflate cannot compress more than 1032 to 1: a zip member claiming more lies
+
+
+def _read_info(path: Path) -> dict[str, Any]:
+    """A rank's ``rank{r}.json``, every field checked (one ValueError naming the file)."""
+    from workbench.safeio import read_json
+
+    info = read_json(path, _INFO_MAX, "memory timeline record",
+                     fix="the timeline is damaged; record it again or delete this file")
+    bad = f"{path} is not a workbench memory timeline record"
+    if not isinstance(info, dict) or info.get("format") != "workbench.memory_timeline":
+        raise ValueError(f"{bad} (no 'format': 'workbench.memory_timeline'); record it again")
+    r, b, m = info.get("rank"), info.get("base_bytes", 0), info.get("meta", {})
+    if type(r) is not int or not 0 <= r < (1 << 31):
+        raise ValueError(f"{bad}: its rank is not a number from 0 to 2**31-1; record it again")
+    if type(b) is not int or not -(1 << 63) <= b < (1 << 63):
+        raise ValueError(f"{bad}: its base_bytes is not a 64-bit integer; record it again")
+    if not isinstance(m, dict) or _depth(m) > _META_DEPTH:
+        raise ValueError(f"{bad}: its meta is not a JSON object nested at most {_META_DEPTH} deep; record it again")
+    per = m.get("base_by_category", {})  # the one part of meta the timeline computes with
+    if not (isinstance(per, dict) and all(isinstance(v, dict) and all(
+            k in CATEGORIES and type(b) is int and -(1 << 63) <= b < (1 << 63) for k, b in v.items())
+            for v in per.values())):
+        raise ValueError(f"{bad}: its meta's base_by_category is not bytes (64-bit integers) per rank and "
+                         "category; record it again")
+    source, device = info.get("source"), info.get("device")
+    return {"rank": r, "base_bytes": b, "meta": m, "source": source if isinstance(source, str) else None,
+            "device": device if isinstance(device, str) else None}
+
+
+def _depth(value: Any) -> int:
+    """How deep JSON values nest (without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def _join_spans(spans: pd.DataFrame, keys: tuple[str, ...]) -> pd.DataFrame:
@@ -559,30 +615,86 @@ def _write_npz(path: Path, ev: pd.DataFrame) -> None:
 
 
 def _read_npz(path: Path, rank: int) -> pd.DataFrame:
+    from workbench.safeio import open_regular
+
+    damaged = f"{path} is damaged or not a timeline file"
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with open_regular(path, "memory timeline file", fix_missing="record the timeline again") as fh, \
+                np.load(fh, allow_pickle=False) as z:
+            _check_members(z)
             cols = {}
             for c in COLUMNS:
                 if c in _STRINGS:
                     vocab, codes = z[c + "__vocab"], z[c]
-                    if len(vocab) and codes.dtype.kind == "i" and (not len(codes) or 0 <= codes.min() <= codes.max()
-                                                                   < len(vocab)):
+                    if codes.dtype.kind not in "iu" or vocab.dtype.kind not in "U" or vocab.ndim != 1:
+                        raise ValueError("a string column of the wrong type")
+                    if len(vocab) and (not len(codes) or 0 <= codes.min() <= codes.max() < len(vocab)):
                         # categoricals straight from the codes (sorted, as from strings): no pass over
                         # millions of strings
                         order = np.argsort(vocab, kind="stable")
                         if len(np.unique(vocab)) != len(vocab):
                             raise ValueError("a vocabulary with repeated strings")
-                        rank = np.empty(len(vocab), np.int64)
-                        rank[order] = np.arange(len(vocab))
-                        cols[c] = pd.Categorical.from_codes(rank[codes], categories=vocab[order].astype(str).tolist())
+                        ranks = np.empty(len(vocab), np.int64)
+                        ranks[order] = np.arange(len(vocab))
+                        cols[c] = pd.Categorical.from_codes(ranks[codes], categories=vocab[order].astype(str).tolist())
+                    elif len(codes):
+                        raise ValueError("string codes outside their vocabulary")
                     else:
-                        cols[c] = vocab[codes] if len(vocab) else np.zeros(len(codes), dtype=str)
+                        cols[c] = np.zeros(0, dtype=str)
                 else:
-                    cols[c] = z[c]
-    except (OSError, ValueError, KeyError, EOFError) as e:
-        raise ValueError(f"{path} is damaged or not a timeline file ({type(e).__name__}); record it again") from None
-    df = pd.DataFrame(cols)
-    return check_frame(df)
+                    col = z[c]
+                    if col.dtype.kind not in ("f" if c == "t" else "iu") or col.ndim != 1 \
+                            or (c == "t" and not np.isfinite(col).all()):
+                        raise ValueError(f"column {c} of the wrong type")
+                    cols[c] = col
+            if len({len(v) for v in cols.values()}) > 1:
+                raise ValueError("columns of different lengths")
+            return check_frame(pd.DataFrame(cols))
+    except FileNotFoundError:
+        raise
+    except ValueError as e:
+        if getattr(e, "file", None):  # safeio's refusal (not a regular file ...) names the file itself
+            raise
+        raise ValueError(f"{damaged} ({_safe_reason(e)}); record it again") from None
+    except (OSError, KeyError, EOFError, IndexError, TypeError, OverflowError, MemoryError, RuntimeError,
+            NotImplementedError, zipfile.BadZipFile, zlib.error) as e:
+        # zipfile and numpy raise all of these for a damaged archive (NotImplementedError: an unknown
+        # compression; RuntimeError: an encrypted member)
+        raise ValueError(f"{damaged} ({type(e).__name__}); record it again") from None
+
+
+def _safe_reason(e: ValueError) -> str:
+    """Our own checks' words; numpy's and pandas' messages may quote the file's contents."""
+    text = str(e)
+    return text if text in _OWN_REASONS or text.startswith("column ") and text.endswith("wrong type") \
+        else type(e).__name__
+
+
+_OWN_REASONS = {"a string column of the wrong type", "an array header that is not numpy's",
+                "a vocabulary with repeated strings", "string codes outside their vocabulary",
+                "columns of different lengths", "an array larger than its zip member",
+                "a member inflating more than deflate can"}
+
+
+def _check_members(z: Any) -> None:
+    """Every array's header against its zip member before numpy allocates it: numpy makes the whole array
+    from the shape its header claims, so a 100-byte member claiming 10**12 rows would ask for terabytes."""
+    from numpy.lib import format as npy
+
+    for name in z.zip.namelist():
+        info = z.zip.getinfo(name)
+        if info.file_size > _MAX_INFLATE * info.compress_size + 4096:
+            raise ValueError("a member inflating more than deflate can")
+        with z.zip.open(name) as fp:
+            try:
+                version = npy.read_magic(fp)
+                shape, _, dtype = (npy.read_array_header_1_0(fp) if version == (1, 0) else
+                                   npy.read_array_header_2_0(fp))
+            except (ValueError, SyntaxError, TypeError, KeyError, EOFError, tokenize.TokenError):
+                # numpy parses the header's dict with the tokenizer: a damaged one raises any of these
+                raise ValueError("an array header that is not numpy's") from None
+            if dtype.hasobject or int(np.prod(shape, dtype=object)) * dtype.itemsize > info.file_size:
+                raise ValueError("an array larger than its zip member")
 
 
 def _json_default(o: Any) -> Any:

@@ -22,11 +22,22 @@ COLUMNS = ["rank", "step", "stage", "microbatch", "phase", "start", "end"]
 
 
 def schedule_frame(events: Iterable[dict[str, Any]]) -> pd.DataFrame:
-    """One row per measured action, from ``schedule`` events (batched ``actions`` lists or one per action)."""
+    """One row per measured action, from ``schedule`` events (batched ``actions`` lists or one per action).
+
+    Events from :func:`workbench.train.events.read_events` are already checked; a hand-made one that is
+    not a schedule event as the trainer writes it is one ValueError naming what is wrong with it."""
+    from workbench.train.events import event_problem
+
     rows = []
     for e in events:
-        if e.get("type") != "schedule":
+        if not isinstance(e, dict) or e.get("type") != "schedule":
             continue
+        problem = event_problem(e)
+        if problem is not None:
+            known = type(e.get("rank")) is int and type(e.get("step")) is int
+            where = f" (rank {e['rank']}, step {e['step']})" if known else ""
+            raise ValueError(f"a schedule event{where} is not one the trainer writes: {problem}; pass the events "
+                             "of workbench.train.events.read_events")
         for a in e.get("actions", [e]):
             rows.append({"rank": e["rank"], "step": e["step"], **{k: a[k] for k in COLUMNS[2:]}})
     return pd.DataFrame(rows, columns=COLUMNS)
@@ -79,7 +90,8 @@ def pipeline_steps(events: list[dict[str, Any]]) -> list[int]:
     frame = schedule_frame(events)
     if frame.empty:
         raise ValueError("no schedule events; they are written by runs with pp > 1")
-    ranks = {e["rank"] for e in events if e.get("type") == "pipeline"} or None
+    ranks = {e["rank"] for e in events if isinstance(e, dict) and e.get("type") == "pipeline"
+             and isinstance(e.get("rank"), int)} or None
     return complete_steps(frame, ranks)
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterable
@@ -130,10 +131,10 @@ class TensorPlan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TensorPlan":
-        return cls(name=d["name"], kind=d["kind"], global_shape=tuple(d["global_shape"]), dtype=d["dtype"],
-                   placements=tuple(d["placements"]), stage=d.get("stage"),
-                   splits=tuple(tuple(s) for s in d.get("splits", ())),
-                   holders=tuple(tuple(h) for h in d.get("holders", ())), param=d.get("param", d["name"]))
+        """What :meth:`to_dict` wrote, every field checked (``workbench.plan.plan_json``): one ValueError."""
+        from workbench.plan.plan_json import tensor_from_dict
+
+        return tensor_from_dict(d)
 
 
 def group_blocks(blocks: pd.DataFrame) -> pd.DataFrame:
@@ -315,12 +316,17 @@ class ShardingPlan(RendersInNotebook):
     def _rank_bytes(self) -> pd.DataFrame:
         coords = self._all_coords
         out = {k: np.zeros(self.world_size, dtype=np.int64) for k in KINDS}
-        cache: dict[tuple, np.ndarray] = {}  # tensors of equal signature (80 identical layers) share it
+        # Tensors of equal signature (80 identical layers) hold equal pieces: each signature's per-rank numel
+        # is computed once and weighted by its tensors' bytes per element, kind by kind. One array of
+        # world_size at a time, not one per signature: a ZeRO-1 plan has a signature per owner.
+        by_signature: dict[tuple, tuple[TensorPlan, dict[str, int]]] = {}
         for t in self.tensors:
-            sig = t.signature()
-            if sig not in cache:
-                cache[sig] = self._local_numel(t, coords)
-            out[t.kind] += cache[sig] * t.itemsize
+            per_kind = by_signature.setdefault(t.signature(), (t, {}))[1]
+            per_kind[t.kind] = per_kind.get(t.kind, 0) + t.itemsize
+        for t, per_kind in by_signature.values():
+            numel = self._local_numel(t, coords)
+            for kind, itemsize in per_kind.items():
+                out[kind] += numel * itemsize
         frame = pd.DataFrame(out, index=pd.RangeIndex(self.world_size, name="rank"))
         frame["total"] = frame[list(KINDS)].sum(axis=1)
         return frame
@@ -444,12 +450,28 @@ class ShardingPlan(RendersInNotebook):
         return json.dumps(self.to_dict(), default=_json_default)
 
     @classmethod
-    def from_json(cls, text: str) -> "ShardingPlan":
-        d = json.loads(text)
-        model = ModelConfig.from_dict(d["model"]) if d.get("model") else None
-        return cls(d["summary"]["model_name"], ParallelConfig.from_dict(d["parallel"]),
-                   TrainConfig.from_dict(d["train"]), [TensorPlan.from_dict(t) for t in d["tensors"]],
-                   d.get("comm"), model, d.get("notes"))
+    def from_json(cls, text: str | bytes, source: str = "plan JSON") -> "ShardingPlan":
+        """The plan :meth:`to_json` wrote. Every field is checked first (``workbench.plan.plan_json``): a
+        document that is not one is a ValueError ``SOURCE: WHERE: PROBLEM; FIX`` (``source``: what to call
+        the text in it, e.g. its file's name)."""
+        from workbench.plan.plan_json import plan_from_json
+
+        return plan_from_json(text, source)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], source: str = "plan JSON") -> "ShardingPlan":
+        """:meth:`from_json` of an already parsed document."""
+        from workbench.plan.plan_json import plan_from_dict
+
+        return plan_from_dict(doc, source)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ShardingPlan":
+        """The plan in a plan JSON file (``workbench plan --json > plan.json``): only a regular file of a
+        plan's size is read (``workbench.safeio``); one ValueError naming the file otherwise."""
+        from workbench.plan.plan_json import load_plan
+
+        return load_plan(path)
 
     # -- notebook --------------------------------------------------------------------------------
 

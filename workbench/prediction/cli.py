@@ -17,7 +17,7 @@ from pathlib import Path
 
 from workbench.cli_output import EXIT_FAILED, emit_json, error
 from workbench.config import PRESETS
-from workbench.settings import add_arguments, from_args
+from workbench.settings import add_arguments, bounded, from_args, output_dir, ranks, seconds
 from workbench.units import format_bytes
 
 __all__ = ["add_parser"]
@@ -33,10 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         description="Run `workbench train ... --memory`: every rank records its timeline "
                                     "into RUN_DIR/memory.")
     _model_and_layout(r)
-    r.add_argument("--out", default=None, help="run directory (default: ./runs/<time>)")
-    r.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
+    r.add_argument("--out", type=output_dir, default=None, help="run directory (default: ./runs/<time>)")
+    r.add_argument("--timeout", type=seconds("timeout"), default=None, help="stop the run after this many seconds")
     r.add_argument("--json", action="store_true")
-    r.set_defaults(func=cmd_record)
+    # cmd_record runs cmd_train, which reads the multi-node and --overwrite flags: one node, no overwrite
+    r.set_defaults(func=cmd_record, nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_id=None, rdzv_timeout=None,
+                   overwrite=False)
 
     pr = msub.add_parser("predict", help="predict every rank's timeline with one fake step (any world size)",
                          description="Run one real training step under FakeTensorMode and a fake process "
@@ -47,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("--budget", default=None, metavar="SIZE",
                     help="memory per rank, e.g. 80GiB: say whether the job fits and the largest micro batch "
                          "that does")
-    pr.add_argument("--out", default=None, help="save the predicted timeline into this directory")
+    pr.add_argument("--out", type=output_dir, default=None, help="save the predicted timeline into this directory")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_predict)
 
@@ -64,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         description="Read torch.cuda.memory._dump_snapshot pickles (never unpickling code) or "
                                     "a profiler chrome trace with memory events; save it as a timeline.")
     i.add_argument("paths", nargs="+", help="snapshot pickles (one per rank) or one profiler trace .json")
-    i.add_argument("--out", default=None, help="save the imported timeline into this directory")
+    i.add_argument("--out", type=output_dir, default=None, help="save the imported timeline into this directory")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_import)
 
@@ -72,15 +74,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         description="Summarise a saved timeline (a run directory, memory/ or a saved "
                                     "prediction): the peak of each rank, its categories and largest tensors.")
     s.add_argument("path")
-    s.add_argument("--rank", type=int, default=None, help="only this rank")
-    s.add_argument("--top", type=int, default=8, help="largest allocations alive at the peak to list")
+    s.add_argument("--rank", type=ranks("rank", min=0), default=None, help="only this rank")
+    s.add_argument("--top", type=bounded("int", "top", min=0), default=8,
+                   help="largest allocations alive at the peak to list")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_show)
 
 
 def _model_and_layout(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     p.add_argument("model", help=f"preset ({', '.join(PRESETS)}) or a Hugging Face config.json path")
-    p.add_argument("--nproc", type=int, default=None, help="processes (default: product of the degrees)")
+    p.add_argument("--nproc", type=ranks("nproc"), default=None,
+                   help="processes (default: product of the degrees)")
     add_arguments(p, ("parallel", "train"), exclude=exclude)
 
 
@@ -119,8 +123,12 @@ def cmd_record(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from workbench.prediction.memory import fits, peak_per_rank, predict
 
-    settings = dict(parallel=from_args(args, "parallel"), train=from_args(args, "train"), nproc=args.nproc)
+    from workbench.units import parse_bytes
+
     try:
+        settings = dict(parallel=from_args(args, "parallel"), train=from_args(args, "train"), nproc=args.nproc)
+        if args.budget:
+            parse_bytes(args.budget)  # a typo fails before the prediction's seconds of work
         tl = predict(args.model, device=args.device, progress=not args.json, **settings)
         answer = fits(args.model, args.budget, device=args.device, **settings) if args.budget else None
     except (ValueError, TypeError) as e:
@@ -204,10 +212,16 @@ def cmd_import(args: argparse.Namespace) -> int:
             tl = snapshot.import_profiler_trace(args.paths[0])
         else:
             tl = snapshot.import_snapshots(args.paths)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # every reader's refusal of a file: one line (issue 27)
         return error(str(e), args.json)
+    except OSError as e:  # a file that exists but cannot be read (permissions, an I/O error)
+        return error(f"{e.filename or args.paths[0]}: cannot be read ({e.strerror or type(e).__name__})", args.json)
     if args.out:
-        tl.save(args.out)
+        try:
+            tl.save(args.out)
+        except OSError as e:
+            return error(f"{args.out}: cannot save the timeline there ({e.strerror or type(e).__name__}); "
+                         "pass a writable directory to --out", args.json, EXIT_FAILED)
     return _report(tl, args)
 
 
@@ -220,6 +234,8 @@ def cmd_show(args: argparse.Namespace) -> int:
             tl = tl.rank(args.rank)
     except (FileNotFoundError, ValueError, KeyError) as e:
         return error(str(e).strip("'\""), args.json)
+    except OSError as e:  # a directory or file that exists but cannot be read
+        return error(f"{e.filename or args.path}: cannot be read ({e.strerror or type(e).__name__})", args.json)
     return _report(tl, args)
 
 

@@ -101,6 +101,8 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from workbench.settings import bounded, seconds
+
     p = sub.add_parser("spmd", help="sharding rules: explain an op, run the conformance harness, list rules",
                        description="Our DTensor sharding rules, registered into torch when workbench is imported.")
     cmds = p.add_subparsers(dest="spmd_command", required=True, parser_class=type(p))
@@ -124,11 +126,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         description="Spawns 4 gloo processes (a 2-rank 1-D mesh and a 2x2 mesh). Exit 1 on failures.")
     c.add_argument("--family", default=None, help="only this family (elementwise, binary, reduction, norm, index, masked)")
     c.add_argument("--case", action="append", default=[], help="only this case (repeatable)")
-    c.add_argument("--cap", type=int, default=12,
+    c.add_argument("--cap", type=bounded("int", "cap", min=0), default=12,
                    help="placement combinations per case and mesh, sampled to cover each input's placements (0: all)")
     c.add_argument("--mesh", action="append", choices=["1d", "2d"], default=None, help="only this mesh (repeatable)")
     c.add_argument("--rules", choices=["ours", "torch"], default="ours", help="run under torch's rules instead")
-    c.add_argument("--timeout", type=float, default=600.0, help="hard limit in seconds for the whole run")
+    c.add_argument("--timeout", type=seconds("timeout"), default=600.0, help="hard limit in seconds for the whole run")
     c.add_argument("--rows", action="store_true", help="with --json: include every combination, not just failures")
     c.add_argument("--json", action="store_true", help="print one JSON document")
     c.set_defaults(func=cmd_check)

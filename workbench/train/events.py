@@ -10,6 +10,18 @@ the launcher), ``start``, ``step``, ``end``, ``error`` (with ``traceback``).
 In a multi-node run every event also says which node wrote it: ``node`` (the ``--node-rank`` that node was
 started with; each node writes its own run directory), and ``host`` on the events a person reads to find
 a node (``launch``, ``start``, ``error``, ``run_end``).
+
+Reading a run directory that may be damaged or hostile (a copied, uploaded or half-written run):
+
+* the file: opened through :mod:`workbench.safeio`, so only a regular file inside the run directory is
+  read (a FIFO, a device, a directory or a link out of the run is refused in one line, before it can block
+  or stream), and one read takes at most :data:`EVENTS_MAX` new bytes;
+* each line: one that is not UTF-8, not JSON, nested past the parser's depth, not an object, or whose
+  fields have the wrong types (:func:`event_problem`) is *damaged*: it is skipped and counted
+  (:attr:`EventReader.skipped`, the first one described by :attr:`EventReader.first_damage`), so a bit
+  flip or a torn line hides one event, not the run, and consumers can index the fields checked here;
+* the whole: a file none of whose complete lines is an event is not an event log, and
+  :func:`read_events` refuses it in one line (a live reader only reports it: :attr:`EventReader.not_a_log`).
 """
 
 from __future__ import annotations
@@ -21,11 +33,17 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from workbench import safeio
+
 EVENTS_FILE = "events.jsonl"
 LAUNCHER_RANK = -1
 # Set by the launcher's agent of a multi-node run, for itself and the ranks it starts: this node's --node-rank.
 NODE_ENV = "WORKBENCH_NODE"
 _HOST_TYPES = frozenset({"launch", "start", "error", "run_end"})
+# The most one read takes in: a step event is ~200 bytes and a pipeline rank's schedule event ~100 bytes per
+# action, so 4 GiB is ~20M events, past a long many-rank run; what is read is kept (about 5x its size in
+# Python objects), so a larger file is not one to read whole. A follower reads the new bytes only.
+EVENTS_MAX = 4 << 30
 
 
 def this_node() -> int | None:
@@ -64,7 +82,128 @@ class EventWriter:
         self.close()
 
 
+# -- what an event is ----------------------------------------------------------------------------------
+
+_INDEX_MAX = 1 << 31  # ranks, nodes, stages, microbatches: what int32 and numpy hold
+_STEP_MAX = 1 << 62
+_STEP_METRICS = ("loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr")
+_ACTION_KEYS = ("stage", "microbatch", "phase", "start", "end")
+
+
+_ABSENT = object()
+_METRIC_TYPES = frozenset({int, float, type(None)})  # (a diverged loss is NaN, and says so)
+
+
+def _index(x: Any, lo: int = 0, hi: int = _INDEX_MAX) -> bool:
+    return type(x) is int and lo <= x < hi  # (not bool: True is no rank)
+
+
+def _finite(x: Any) -> bool:
+    return type(x) is int or (type(x) is float and x - x == 0)  # (inf - inf and nan - nan are nan)
+
+
+def action_problem(a: Any) -> str | None:
+    """What is wrong with one measured pipeline action (``stage``, ``microbatch``, ``phase``, ``start``,
+    ``end``), or None."""
+    if type(a) is not dict:
+        return "a schedule action is not an object"
+    missing = [k for k in _ACTION_KEYS if k not in a]
+    if missing:
+        return f"a schedule action has no {missing[0]!r}"
+    if not (_index(a["stage"]) and _index(a["microbatch"])):
+        return "a schedule action's stage or microbatch is not a small non-negative integer"
+    if type(a["phase"]) is not str:
+        return "a schedule action's phase is not text"
+    if not (_finite(a["start"]) and _finite(a["end"])):
+        return "a schedule action's start or end is not a finite number"
+    return None
+
+
+def event_problem(e: Any) -> str | None:
+    """What makes ``e`` no event this module's readers hand out, or None: an object with a text ``type``
+    and an integer ``rank`` (-1: the launcher), a finite ``time``, an integer ``step``/``node`` where
+    present, numbers (or null) for a step's metrics, text for a ``run_end``'s status, and a ``schedule``
+    event's measured actions. Consumers may index what is checked here; other fields they check
+    themselves. (Every line of a run passes here: the common case is written out, without calls.)"""
+    if type(e) is not dict:
+        return f"a JSON {type(e).__name__}, not an object"
+    kind, rank = e.get("type"), e.get("rank")
+    if type(kind) is not str:
+        return "no text 'type'"
+    if type(rank) is not int or not LAUNCHER_RANK <= rank < _INDEX_MAX:
+        return "'rank' is not an integer from -1 (the launcher) up"
+    t = e.get("time", _ABSENT)
+    if t is not _ABSENT and not (type(t) is float and t - t == 0 or type(t) is int):
+        return "'time' is not a finite number"
+    step = e.get("step", _ABSENT)
+    if step is not _ABSENT and (type(step) is not int or not 0 <= step < _STEP_MAX):
+        return "'step' is not a non-negative integer"
+    if "node" in e and not _index(e["node"]):
+        return "'node' is not a non-negative integer"
+    if kind == "step":
+        for k in _STEP_METRICS:
+            if type(e.get(k)) not in _METRIC_TYPES:
+                return f"a step's {k!r} is not a number"
+    elif kind == "schedule":
+        if step is _ABSENT:
+            return "a schedule event has no 'step'"
+        actions = e.get("actions", [e])
+        if type(actions) is not list:
+            return "a schedule event's 'actions' is not a list"
+        for a in actions:
+            problem = action_problem(a)
+            if problem:
+                return problem
+    elif kind == "pipeline":
+        if "microbatches" in e and not _index(e["microbatches"], 1):
+            return "a pipeline event's 'microbatches' is not a positive integer"
+        if "schedule" in e and type(e["schedule"]) is not str:
+            return "a pipeline event's 'schedule' is not text"
+    elif kind == "run_end":
+        if type(e.get("status")) is not str:
+            return "a run_end event's 'status' is not text"
+    return None
+
+
+# -- reading -------------------------------------------------------------------------------------------
+
 _HEAD_BYTES = 256
+_DECODE = json.JSONDecoder().raw_decode  # one value from the line's start: no whitespace scan (ours have none)
+NOT_A_LOG_FIX = "open the events.jsonl of a run written by workbench train / workbench.launch"
+
+
+def _lines(block: bytes) -> list[str | None]:
+    """``block``'s lines as text; a line that is not UTF-8 is None (the others still read)."""
+    try:
+        return block.decode("utf-8").split("\n")  # one decode for the whole block: the common case
+    except UnicodeDecodeError:
+        out: list[str | None] = []
+        for raw in block.split(b"\n"):
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(None)
+        return out
+
+
+def _diagnose(line: str | None) -> tuple[Any, str | None]:
+    """A line the fast path did not take: ``(event, None)`` (spaces around it), ``(None, None)`` (a blank
+    line) or ``(None, what is wrong with it)``."""
+    if line is None:
+        return None, "not UTF-8 text"
+    text = line.strip()
+    if not text:
+        return None, None
+    try:
+        e, end = _DECODE(text)
+    except RecursionError:
+        return None, "nested deeper than JSON is read here"
+    except ValueError as exc:  # JSONDecodeError, or an integer of more digits than Python converts
+        return None, f"not JSON ({exc.msg if isinstance(exc, json.JSONDecodeError) else 'a number too long'})"
+    if end != len(text):
+        return None, "more than one JSON value"
+    problem = event_problem(e)
+    return (None, problem) if problem else (e, None)
 
 
 class EventReader:
@@ -74,10 +213,16 @@ class EventReader:
     ``--out``, or ``--overwrite``), the new run's events go to a new file at the same path; a reader of
     the earlier run then reads nothing more, instead of taking the new run's events, from its old offset,
     as its own.
+
+    Damaged lines are skipped (see the module docstring): :attr:`skipped` counts them, :attr:`first_damage`
+    says where the first one was and what was wrong with it. A file that is not what it should be (a FIFO,
+    a device, a directory, a link out of the run directory, more than :data:`EVENTS_MAX` new bytes) raises
+    :class:`workbench.safeio.FileRefused` (a ValueError) naming it; a missing one reads as no events yet.
     """
 
     def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / EVENTS_FILE
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / EVENTS_FILE
         self._offset = 0
         self._partial = b""
         # The file this reader follows: its (st_dev, st_ino), and its first bytes (the first event, with its
@@ -85,48 +230,98 @@ class EventReader:
         self._file_id: tuple[int, int] | None = None
         self._head = b""
         self._replaced = False
+        self._lines = 0  # complete lines read so far: the line number of a damaged one
+        self.events_read = 0
+        self.skipped = 0
+        self.first_damage: str | None = None
 
     @property
     def replaced(self) -> bool:
         """True once the file at the path is no longer the one this reader followed (a new run's)."""
         return self._replaced
 
+    @property
+    def not_a_log(self) -> str | None:
+        """Why the file read so far is no event log (it has complete lines, and none is an event), or None."""
+        if self.events_read or not self.skipped:
+            return None
+        return f"is not an event log: none of its {self.skipped:,} line(s) is an event ({self.first_damage})"
+
+    def _open(self):
+        """The file, if it is a regular file inside the run directory; None while there is none."""
+        try:
+            path = safeio.confine(self.run_dir, EVENTS_FILE, self.run_dir, "event log")
+            return safeio.open_regular(path, "event log")
+        except safeio.FileRefused as e:
+            if e.reason == "missing":
+                return None
+            raise
+
     def read_new(self) -> list[dict[str, Any]]:
         if self._replaced:
             return []
-        try:
-            with open(self.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                head = f.read(_HEAD_BYTES) if self._offset else b""
-                if self._file_id is not None and (self._file_id != (st.st_dev, st.st_ino) or st.st_size < self._offset
-                                                  or not head.startswith(self._head)):
-                    self._replaced = True  # another run's events now: this reader's run has ended
-                    return []
-                self._file_id = (st.st_dev, st.st_ino)
-                f.seek(self._offset)
-                chunk = f.read()
-        except FileNotFoundError:
+        f = self._open()
+        if f is None:
             return []
+        with f:
+            st = os.fstat(f.fileno())
+            head = f.read(_HEAD_BYTES) if self._offset else b""
+            if self._file_id is not None and (self._file_id != (st.st_dev, st.st_ino) or st.st_size < self._offset
+                                              or not head.startswith(self._head)):
+                self._replaced = True  # another run's events now: this reader's run has ended
+                return []
+            self._file_id = (st.st_dev, st.st_ino)
+            new = st.st_size - self._offset
+            if new > EVENTS_MAX:
+                raise safeio.FileRefused(self.path, f"holds {new:,} bytes of events to read, more than one read "
+                                         f"takes ({EVENTS_MAX:,})", "it is not a run's event log; a live run's "
+                                         "is followed as it grows (EventReader)", reason="too-large")
+            f.seek(self._offset)
+            chunk = f.read(max(new, 0))  # up to the size just seen: what is appended since is the next call's
         if len(self._head) < _HEAD_BYTES and chunk:
             self._head = (self._head + chunk)[:_HEAD_BYTES]
         self._offset += len(chunk)
-        data = self._partial + chunk
-        lines = data.split(b"\n")
-        self._partial = lines.pop()  # b"" when data ends with a newline
+        data = self._partial + chunk if self._partial else chunk
+        end = data.rfind(b"\n")
+        if end < 0:
+            self._partial = data
+            return []
+        self._partial = data[end + 1:]  # b"" when data ends with a newline
+        lines = _lines(data[:end])
+        first, self._lines = self._lines, self._lines + len(lines)
         events = []
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line torn by a killed writer; the rest of the stream is still good
+        decode, problem_of = _DECODE, event_problem
+        for i, line in enumerate(lines):
+            if line:  # the fast path: one JSON object, nothing around it, a valid event
+                try:
+                    e, stop = decode(line)
+                    if stop == len(line) and problem_of(e) is None:
+                        events.append(e)
+                        continue
+                except (ValueError, RecursionError):
+                    pass
+            elif line is not None:
+                continue  # an empty line
+            e, problem = _diagnose(line)
+            if e is not None:
+                events.append(e)
+            elif problem is not None:  # a line torn by a killed writer, a flipped bit: the rest is still good
+                self.skipped += 1
+                if self.first_damage is None:
+                    self.first_damage = f"line {first + i + 1}: {problem}"
+        self.events_read += len(events)
         return events
 
 
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All complete events currently in ``RUN_DIR/events.jsonl``."""
-    return EventReader(run_dir).read_new()
+    """All complete events currently in ``RUN_DIR/events.jsonl``, damaged lines skipped (see
+    :class:`EventReader`). :class:`workbench.safeio.FileRefused` (a ValueError) naming the file if it is no
+    event log at all, or not a regular file inside the run directory."""
+    reader = EventReader(run_dir)
+    events = reader.read_new()
+    if reader.not_a_log:
+        raise safeio.FileRefused(reader.path, reader.not_a_log, NOT_A_LOG_FIX)
+    return events
 
 
 def follow(run_dir: str | Path, done, poll_s: float = 0.1) -> Iterator[dict[str, Any]]:

@@ -36,7 +36,7 @@ from workbench.train.events import EVENTS_FILE, LAUNCHER_RANK, EventReader, foll
 from workbench.train.nodes import node_settings
 from workbench.train.outcome import RunFailed, root_cause
 from workbench.train.resumed import Resumed
-from workbench.train.rundir import RunDirInUse, check_reusable, clear_run
+from workbench.train.rundir import RunDirInUse, check_outputs, check_reusable, clear_run
 
 METRIC_COLUMNS = ["rank", "step", "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr", "time"]
 MEMORY_COLUMNS = ["rank", "step", "peak_bytes", "live_bytes", "source", "time"]
@@ -57,6 +57,19 @@ def _terminate_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+def _log_tail(path: Path, size: int = 4000) -> str:
+    """The end of the run's launcher.log (the ranks print into it: it may be long), or "" if there is none or
+    it is not a regular file of the run directory (:mod:`workbench.safeio`)."""
+    from workbench import safeio
+
+    try:
+        with safeio.open_regular(safeio.confine(path.parent, path.name, path.parent, "launcher log")) as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - size))
+            return f.read(size).decode(errors="replace")
+    except safeio.FileRefused:
+        return ""
 
 
 class Run(RendersInNotebook):
@@ -189,7 +202,7 @@ class Run(RendersInNotebook):
         if self.done and self.status == "failed":
             end = self._run_end()
             if end is None:  # the agent itself died before it could report
-                tail = self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+                tail = _log_tail(self.log_path)
                 return RunFailed(None, f"launcher exited with code {self.returncode}", tail, run_dir)
             # multi-node: failed_node names the node (and lost_ranks its ranks when it went away)
             return RunFailed(end.get("failed_rank"), end.get("message", ""), end.get("traceback", ""), run_dir,
@@ -433,6 +446,20 @@ def resolve_device(choice: str, local_ranks: int, gpus: int | None = None) -> st
     return "cuda"
 
 
+def agent_env(job: JobConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of torchrun's agent and so of every rank. Children import this workbench also
+    when it runs from a source tree. A CPU job hides the GPUs (``CUDA_VISIBLE_DEVICES=""``): its ranks
+    fork from the agent, and a process forked after anything touched the CUDA driver (torch's optimizers
+    ask whether a CUDA graph is being captured) fails with "CUDA error: initialization error"."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if job_device(job) == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
 def job_device(job: JobConfig) -> str:
     """Where ``job``'s ranks train: its recorded ``device``; a config.json written before devices were
     recorded follows the old rule (a GPU if there is one, unless ``WORKBENCH_DEVICE=cpu``)."""
@@ -570,6 +597,7 @@ def launch(
     train: TrainConfig | dict | None = None,
     fail_at: dict[str, int] | None = None,
     overwrite: bool = False,
+    adopt_ckpt_dir: bool = False,
     task: "Task | None" = None,
     **settings: Any,
 ) -> Run:
@@ -580,6 +608,12 @@ def launch(
     job resumes (``resume=...``), which starts a fresh event stream there, or ``overwrite=True``, which
     deletes the earlier run first: its events, config, logs, memory timelines and checkpoints (those are
     kept when the job also resumes; :mod:`workbench.train.rundir`).
+
+    Before anything is written: ``out`` and the checkpoint directory (``ckpt_dir``, default
+    ``out/checkpoints``) must be writable with room for a checkpoint, and the checkpoint directory must
+    be this run's: one that another run saves into is refused (ValueError) unless ``adopt_ckpt_dir=True``
+    makes this run its owner. Resuming from another run's checkpoint into a directory of this run's own
+    needs nothing more.
 
     ``parallel`` and ``train`` are the configs (:class:`ParallelConfig`, :class:`TrainConfig`).
     ``settings`` are shortcuts for any of their fields (``tp=2``, ``steps=20``, ``resume="latest"``),
@@ -606,10 +640,14 @@ def launch(
     check_reusable(run_dir, resume=job.train.resume is not None, overwrite=overwrite)
     expected = (task.model_state(job) if task is not None and task.model_state is not None
                 and job.train.resume is not None else None)
-    job, resume_target = _checkpoint_paths(job, run_dir, expected)  # the last check: nothing is deleted or written before it
+    job, resume_target = _checkpoint_paths(job, run_dir, expected)
+    # The last checks (nothing is deleted or written before them): room, writability, whose checkpoints.
+    outputs = check_outputs(run_dir, job, overwrite=overwrite, adopt=adopt_ckpt_dir, resume_target=resume_target,
+                            claims=(job.nodes or {}).get("node_rank", 0) == 0)
     if overwrite:  # the earlier run goes, checkpoints included unless this job resumes from them
         clear_run(run_dir, keep_checkpoints=job.train.resume is not None)
     run_dir.mkdir(parents=True, exist_ok=True)
+    outputs.claim()
     if (run_dir / EVENTS_FILE).exists():  # a resumed run starts a fresh event stream
         (run_dir / EVENTS_FILE).unlink()
     (run_dir / "config.json").write_text(json.dumps(job.to_dict(), indent=2))
@@ -620,11 +658,7 @@ def launch(
     else:
         (run_dir / TASK_FILE).unlink(missing_ok=True)
     log_path = run_dir / "launcher.log"
-    env = dict(os.environ)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    # Let the children import workbench even when it is run from a source tree, not installed.
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = agent_env(job)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "workbench.train.agent", str(run_dir), str(_local_ranks(job))],

@@ -53,6 +53,12 @@ def _mem_bytes(device: torch.device) -> int:
     return _rss_bytes()
 
 
+def _reserved_bytes(device: torch.device) -> dict[str, int]:
+    """On CUDA, the caching allocator's peak reservation (what the process holds from the driver, which
+    is what runs out first); a CPU has no such pool."""
+    return {"mem_reserved_bytes": int(torch.cuda.max_memory_reserved(device))} if device.type == "cuda" else {}
+
+
 def _checkpointing(job: JobConfig, run_dir: str, events: EventWriter, world: int) -> Checkpointer | None:
     tcfg = job.train
     if not tcfg.ckpt_every:
@@ -63,7 +69,16 @@ def _checkpointing(job: JobConfig, run_dir: str, events: EventWriter, world: int
                          job={"model": job.model.to_dict(), "parallel": job.parallel.to_dict(),
                               "train": job.train.to_dict()})
     return Checkpointer(ckpt_dir(job, run_dir), every=tcfg.ckpt_every, mode=mode, keep=tcfg.keep,
-                        keep_every=tcfg.keep_every, manifest=base, emit=events.emit, quant=tcfg.ckpt_quant)
+                        keep_every=tcfg.keep_every, manifest=base, emit=events.emit, quant=tcfg.ckpt_quant,
+                        owner=ckpt_owner(job, run_dir))
+
+
+def ckpt_owner(job: JobConfig, run_dir: str) -> str | None:
+    """The run id the checkpoint directory must still name at each save (the launcher claimed it for this
+    run; workbench.train.rundir). None on a multi-node job, where only node 0's run directory has that id."""
+    from workbench.train.rundir import run_id_of
+
+    return None if job.nodes else run_id_of(run_dir)
 
 
 def ckpt_dir(job: JobConfig, run_dir: str) -> str:
@@ -189,7 +204,8 @@ def train(job: JobConfig, run_dir: str) -> None:
                 raise FloatingPointError(f"loss became {loss_value} at step {step}; lower lr (now {tcfg.lr})")
             per_rank = tokens_per_step / dt / world  # tokens/s of one rank's share
             events.emit("step", step=step, loss=loss_value, tokens_per_s=tokens_per_step / dt,
-                        step_time_s=dt, mem_bytes=_mem_bytes(device), grad_norm=gnorm, lr=lr,
+                        step_time_s=dt, mem_bytes=_mem_bytes(device), **_reserved_bytes(device),
+                        grad_norm=gnorm, lr=lr,
                         tflops=flops.tflops_per_s(per_rank, flops_per_token),
                         mfu=flops.mfu(per_rank, flops_per_token, peak),
                         **({"aux_loss": float(aux_sum)} if moe else {}),
