@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # JupyterLab refuses root unless told; containers and CI machines often run as root.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test test-gpu install browser clean extension
+.PHONY: lab test test-gpu gpu-bundle gpu-check install browser clean extension
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,23 @@ $(GPU_STAMP): pyproject.toml
 test-gpu: $(GPU_STAMP)
 	$(GPU_VENV)/bin/python -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| GPUs', torch.cuda.device_count())"
 	$(GPU_VENV)/bin/python -m pytest -m gpu -v $(PYTEST_ARGS)
+
+# The GPU check (README: "Checking a GPU machine"). `make gpu-bundle`, on a machine with a registry, downloads
+# the wheels pinned in gpu/bundle.toml (CPython 3.12, manylinux x86_64; never torch) into $(GPU_BUNDLE).
+# `make gpu-check`, on the GPU machine, needs no registry and no .venv: with GPU_PYTHON's own torch it
+# installs those wheels offline into $(GPU_CHECK_WORK)/site and runs every part within 8 minutes
+# (GPU_CHECK_ARGS=--quick: a subset within 3), writing summary.json and the logs into $(GPU_CHECK_OUT).
+# Without a GPU the GPU parts are skipped with the reason and the rest runs (tests/test_gpu_check.py).
+GPU_BUNDLE ?= .gpu-bundle
+GPU_CHECK_OUT ?= gpu-check-out
+GPU_CHECK_WORK ?= .gpu-check
+GPU_CHECK_ARGS ?=
+
+gpu-bundle:
+	$(PYTHON) gpu/bundle.py download --dest $(GPU_BUNDLE)
+
+gpu-check:
+	$(GPU_PYTHON) gpu/check.py --bundle $(GPU_BUNDLE) --out $(GPU_CHECK_OUT) --work $(GPU_CHECK_WORK) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) build dist *.egg-info .pytest_cache

@@ -59,12 +59,15 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+# The issue's 886M-parameter Llama (hidden 2048, 16 layers, GQA 16/8, ffn 5632, vocab 32000, untied), as a
+# Hugging Face config.json: one definition, which the GPU check (gpu/check.py) also passes to the CLI.
+DEFAULT_MODEL = Path(__file__).resolve().with_name("llama-886m.json")
+
+
 def default_model():
-    """The issue's 886M-parameter Llama (hidden 2048, 16 layers, GQA 16/8, ffn 5632, vocab 32000, untied)."""
     from workbench.config import ModelConfig
 
-    return ModelConfig("llama-886m", dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_hidden=5632,
-                       vocab_size=32000, max_seq_len=2048)
+    return ModelConfig.from_hf_config(DEFAULT_MODEL)
 
 
 def _version(dist: str) -> str | None:

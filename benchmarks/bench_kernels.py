@@ -3,6 +3,7 @@
     python benchmarks/bench_kernels.py                  # every registered case at its bench sizes
     python benchmarks/bench_kernels.py --quick          # the smallest bench size, fewer repeats
     python benchmarks/bench_kernels.py --ops index_put --sizes 16777216 --repeats 50
+    python benchmarks/bench_kernels.py --targets        # only the issue-11 target rows, at their H100 sizes
 
 On a GPU, for every kernel case (``workbench.kernels.cases.CASES``), dtype and size, ``workbench.kernels
 .bench.bench`` times (CUDA events, warm-up, median of ``--repeats``) four things in the same process:
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,12 @@ _M, _G = 1 << 20, 1 << 30
 def _target(what, case, dtype, size, metric, threshold, at_most, torch_h100):
     return {"target": what, "case": case, "dtype": dtype, "size": size, "metric": metric, "threshold": threshold,
             "at_most": at_most, "torch_h100": torch_h100}
+
+
+# The targets issue 31 names, which `make gpu-check` times (`--targets gpu-check`): (case, dtype)
+GPU_CHECK_TARGETS = {("index_put/accumulate-deterministic-1d", "fp32"), ("index_put/accumulate-atomic-1d", "fp32"),
+                     ("dropout_add/forward", "bf16"), ("dropout_add/forward-backward", "bf16"),
+                     ("masked_fill/forward-backward", "fp32"), ("set_value/slice", "bf16")}
 
 
 TARGETS: list[dict[str, Any]] = [
@@ -79,26 +87,56 @@ def _finite(v: Any) -> Any:
     return v if not isinstance(v, float) or math.isfinite(v) else None
 
 
+class Stopped(BaseException):
+    """SIGTERM (the GPU check's per-part time): stop timing and print what was measured."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
 def gpu_document(args: argparse.Namespace, ops: list[str] | None, dtypes: list[str] | None) -> dict[str, Any]:
     import pandas as pd
 
     from workbench.kernels.bench import bench, check
     from workbench.kernels.cases import CASES
 
-    _log("[check] every case against its reference on the GPU")
-    result = check(ops=ops, dtypes=dtypes, sizes="smallest" if args.quick else None, progress=True)
-    _log(f"[check] {result.headline()}")
+    if args.no_check:
+        result = None
+        _log("[check] skipped (--no-check): `workbench kernels check` on this GPU says whether the kernels are right")
+    else:
+        _log("[check] every case against its reference on the GPU")
+        result = check(ops=ops, dtypes=dtypes, sizes="smallest" if args.quick else None, progress=True)
+        _log(f"[check] {result.headline()}")
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ("smallest" if args.quick else None)
-    b = bench(ops=ops, dtypes=dtypes, sizes=sizes, repeats=args.repeats, compile=not args.no_compile, progress=True)
-    if not args.quick and not args.sizes and not ops and not dtypes:  # the full run also times every target
-        have = set(zip(b.rows["case"], b.rows["dtype"], b.rows["size"]))
+    if args.targets:  # only the rows the targets name, at their H100 sizes (the GPU check's few minutes)
+        b, extra = None, [t for t in TARGETS if t["case"] in CASES
+                          and (args.targets == "all" or (t["case"], t["dtype"]) in GPU_CHECK_TARGETS)]
+    else:
+        b = bench(ops=ops, dtypes=dtypes, sizes=sizes, repeats=args.repeats, compile=not args.no_compile,
+                  progress=True)
+        extra = []
+    if b is not None and not args.quick and not args.sizes and not ops and not dtypes:
+        have = set(zip(b.rows["case"], b.rows["dtype"], b.rows["size"]))  # the full run also times every target
         extra = [t for t in TARGETS if t["case"] in CASES and (t["case"], t["dtype"], t["size"]) not in have]
+    stopped = None
+    try:
         for t in extra:
             _log(f"[target] {t['case']} {t['dtype']} {t['size']}")
             e = bench(ops=[t["case"]], dtypes=[t["dtype"]], sizes=[t["size"]], repeats=args.repeats,
                       compile=not args.no_compile, overhead=False, progress=False)
-            b = type(b)(pd.concat([b.rows, e.rows], ignore_index=True), b.overhead, b.note, b.gpu, b.repeats,
-                        b.wall_s + e.wall_s)
+            b = e if b is None else type(b)(pd.concat([b.rows, e.rows], ignore_index=True), b.overhead, b.note,
+                                            b.gpu, b.repeats, b.wall_s + e.wall_s)
+            r = e.rows.iloc[0]
+            _log("[target] ... " + ", ".join(f"{k} {r[k]:.4g}" if isinstance(r[k], (int, float)) else f"{k} {r[k]}"
+                                             for k in ("time_ms", "copy_fraction", "vs_eager", "vs_compile")))
+    except Stopped as s:  # the GPU check's time ran out: the targets timed so far still make a document
+        stopped = f"stopped by {s.args[0]} after {0 if b is None else len(b.rows)} of {len(extra)} targets"
+        _log(f"[target] {stopped}")
+        if b is None:
+            return {"gpu": None, "note": stopped, "stopped": stopped, "check": result and result.summary(), "cases": {},
+                    "targets": [{**t, "measured": None, "met": None, "why_none": "not run: " + stopped}
+                                for t in TARGETS]}
     doc = b.to_dict()
     cases: dict[str, Any] = {}
     for r in doc["rows"]:
@@ -115,9 +153,11 @@ def gpu_document(args: argparse.Namespace, ops: list[str] | None, dtypes: list[s
         why = None
         if value is None:
             why = ("its case is not registered" if t["case"] not in CASES else
-                   row["note"].iloc[0] if len(row) else "not run: --quick, --ops, --dtypes or --sizes left it out")
+                   row["note"].iloc[0] if len(row) else "not run: " + stopped if stopped else
+                   "not run: --targets gpu-check, --quick, --ops, --dtypes or --sizes left it out")
         targets.append({**t, "measured": value, "met": met, "why_none": why})
-    return {"gpu": b.gpu, "note": b.note, "check": result.summary(), "bench": doc["summary"], "cases": cases,
+    return {"gpu": b.gpu, "note": b.note, "stopped": stopped, "check": result and result.summary(),
+            "bench": doc["summary"], "cases": cases,
             "overhead_us": {r["case"]: {k: r[k] for k in ("impl", "ours_us", "eager_us", "overhead_us")}
                             for r in doc["overhead"]},
             "targets": targets}
@@ -157,7 +197,14 @@ def main() -> int:
     ap.add_argument("--sizes", default=None, help="comma list of sizes (GPU; default: each case's bench sizes)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 20; quick 5)")
     ap.add_argument("--no-compile", action="store_true", help="do not time torch.compile")
+    ap.add_argument("--no-check", action="store_true",
+                    help="GPU: time only, without first checking every case against its reference")
+    ap.add_argument("--targets", nargs="?", const="all", choices=("all", "gpu-check"), default=None,
+                    help="GPU: time only the rows the issue-11 targets name, at their (H100) sizes; "
+                         "`gpu-check`: only the six that issue 31 names")
     args = ap.parse_args()
+    if args.targets and (args.ops or args.dtypes or args.sizes):
+        ap.error("--targets picks its own cases, dtypes and sizes: leave out --ops, --dtypes and --sizes")
     args.repeats = args.repeats or (5 if args.quick else 20)
     ops = args.ops.split(",") if args.ops else None
     dtypes = args.dtypes.split(",") if args.dtypes else None
@@ -169,6 +216,7 @@ def main() -> int:
     import torch
 
     on_gpu = torch.cuda.is_available() and st.usable and not st.interpret
+    signal.signal(signal.SIGTERM, _stop)
     doc: dict[str, Any] = {"benchmark": "bench_kernels", "quick": args.quick, "baselines": BASELINES,
                            "machine": machine_info(), "triton": st.version, "interpreter": st.interpret,
                            "repeats": args.repeats}
@@ -184,7 +232,8 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(doc, indent=2))
-    return 0 if doc["check"]["ok"] else 1  # wrong kernels make no benchmark: the document says which
+    # wrong kernels make no benchmark: the document says which
+    return 0 if doc["check"] is None or doc["check"]["ok"] else 1
 
 
 if __name__ == "__main__":

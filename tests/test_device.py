@@ -3,6 +3,7 @@ per-block compilation and TF32. (What needs a GPU is in test_gpu.py, run by ``ma
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -219,3 +220,18 @@ def test_make_test_gpu_runs_the_gpu_tests_which_skip_here_with_the_reason(repo):
     import re
 
     assert re.search(r"\b\d+ skipped", p.stdout) and "needs a CUDA GPU" in p.stdout and "passed" not in p.stdout
+
+
+def test_cpu_jobs_hide_the_gpus_from_their_ranks():
+    # CPU ranks fork from torchrun's agent: on a GPU machine a fork after anything touched the CUDA driver
+    # failed at the first optimizer step ("CUDA error: initialization error", seen on an H200).
+    from workbench.train.launcher import agent_env
+
+    cpu = build_job("tiny", nproc=2, tp=2, device="cpu")
+    env = agent_env(cpu, base={"CUDA_VISIBLE_DEVICES": "0", "PYTHONPATH": "/elsewhere"})
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["PYTHONPATH"].endswith(os.pathsep + "/elsewhere") and env["PYTHONUNBUFFERED"] == "1"
+    import dataclasses
+
+    cuda = dataclasses.replace(cpu, device="cuda")  # build_job refuses cuda here: the recorded field decides
+    assert agent_env(cuda, base={"CUDA_VISIBLE_DEVICES": "0"})["CUDA_VISIBLE_DEVICES"] == "0"

@@ -35,6 +35,7 @@ def test_one_rank_trains_on_cuda_with_nccl_and_reports_mfu(tmp_path):
     steps = _events(run, "step")
     assert len(steps) == 6 and steps[-1]["loss"] < steps[0]["loss"]
     assert all(s["mem_bytes"] > 0 for s in steps)  # torch.cuda.max_memory_allocated
+    assert all(s["mem_reserved_bytes"] >= s["mem_bytes"] for s in steps)  # max_memory_reserved (the GPU check's grid)
     if start["peak_flops_per_s"] is not None:  # a GPU in workbench.train.flops' table
         assert all(0 < s["mfu"] < 1 for s in steps[1:])
     summary = run.summary()

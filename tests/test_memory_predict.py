@@ -166,3 +166,28 @@ def test_a_crashed_rank_keeps_the_timeline_it_recorded(tmp_path):
     tl = memory.load(run.run_dir)
     assert tl.steps == [0, 1]  # everything up to the failure, nothing after
     assert tl.peak(0).by_category["optimizer"] > 0
+
+
+def test_cuda_predictions_count_cublas_workspaces(monkeypatch):
+    # On an H200 the measured max_memory_allocated of seven configs stood 64-74 MiB above the tensors'
+    # predicted peak: two 32 MiB cuBLAS workspaces (gpu/check.py's memory part).
+    from workbench.prediction.memory import cublas_workspace_bytes, predict
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert cublas_workspace_bytes((9, 0)) == 64 << 20 and cublas_workspace_bytes((10, 0)) == 64 << 20
+    assert cublas_workspace_bytes((8, 0)) == 2 * ((8 << 20) + (128 << 10))
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")  # torch's documented deterministic setting
+    assert cublas_workspace_bytes((9, 0)) == 2 * ((8 << 20) + (128 << 10))
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "nonsense")  # not torch's form: the default for the GPU
+    assert cublas_workspace_bytes((9, 0)) == 64 << 20
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+
+    kw = dict(nproc=1, global_batch=2, seq_len=64, progress=False)
+    cpu, cuda = predict("tiny", device="cpu", **kw), predict("tiny", device="cuda", **kw)
+    assert cuda.meta["library_bytes"] == {"cuBLAS workspaces": 64 << 20} and "library_bytes" not in cpu.meta
+    f = cuda.frame
+    block = f[f["op"] == "cuBLAS workspaces"]
+    assert len(block) == 1 and int(block["delta_bytes"].iloc[0]) == 64 << 20
+    first_forward = f.index[f["phase"] == "forward"][0]
+    assert block.index[0] == first_forward and block["category"].iloc[0] == "other"
+    assert cuda.peak(0).bytes - cpu.peak(0).bytes >= 64 << 20
