@@ -311,7 +311,11 @@ def _hyper_values(source, rows: dict[str, dict]) -> dict[str, Any]:
         if not k.startswith(_PACKED):
             out[k] = _plain(t)
     packed = [t for k, t in tensors.items() if k.startswith(_PACKED)]
-    for fqn, hyper in (unpack_hyper(packed) if packed else {}).items():
+    try:
+        unpacked = unpack_hyper(packed) if packed else {}
+    except ValueError as e:  # name the checkpoint: a diff reads two
+        raise ValueError(f"{source.manifest.path}: {e}") from None
+    for fqn, hyper in unpacked.items():
         for name, v in hyper.items():
             out[f"optim.param_groups.{fqn}.{name}"] = _python(v)
     return out
