@@ -26,7 +26,7 @@ def schedule_frame(events: Iterable[dict[str, Any]]) -> pd.DataFrame:
 
     Events from :func:`workbench.train.events.read_events` are already checked; a hand-made one that is
     not a schedule event as the trainer writes it is one ValueError naming what is wrong with it."""
-    from workbench.train.events import event_problem
+    from workbench.event_schema import event_problem
 
     rows = []
     for e in events:
