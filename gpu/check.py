@@ -414,7 +414,8 @@ class Check:
     def _bench_gpu_train_args(self) -> list[list[str]]:
         script = "benchmarks/bench_gpu_train.py"
         steps = {"eager": ("12", "4"), "compiled": ("10", "3")}  # (steps, warm-up steps dropped)
-        return [[script, "--modes", m, "--steps", steps[m][0], "--warmup", steps[m][1]] for m in self.args.train_modes]
+        return [[script, "--modes", m, "--steps", steps[m][0], "--warmup", steps[m][1]] for m in ("eager", "compiled")
+                if m in self.args.train_modes]
 
     def part_bench_gpu_train(self, part: Part, until: float) -> None:
         runs = self._bench_gpu_train_args()
@@ -692,20 +693,15 @@ def _budget(text: str) -> tuple[str, float]:
     return key, seconds
 
 
-def _parts(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in names if p not in PARTS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
-    return names
-
-
-def _configs(text: str) -> list[str]:
-    names = [c.strip() for c in text.split(",") if c.strip()]
-    unknown = [c for c in names if c not in MEMORY_GRID]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown config(s) {unknown}; choose from {', '.join(MEMORY_GRID)}")
-    return names
+def _names(choices: Any, what: str) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list of ``choices`` (``what`` names them in the error)."""
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown}; choose from {', '.join(choices)}")
+        return names
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -719,13 +715,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bundle", default=str(bundle.DEFAULT_DEST), help="the wheels of `make gpu-bundle` "
                     "(default: .gpu-bundle/)")
     ap.add_argument("--spec", default=str(bundle.SPEC), help=argparse.SUPPRESS)  # tests: another pin list
-    ap.add_argument("--parts", type=_parts, default=list(PARTS), help=f"a comma list of {', '.join(PARTS)}")
+    ap.add_argument("--parts", type=_names(PARTS, "part(s)"), default=list(PARTS), help=f"a comma list of {', '.join(PARTS)}")
     ap.add_argument("--budget", type=_budget, action="append", default=[], metavar="PART=SECONDS",
                     help="another budget for one part (repeatable; `predictions` caps the memory predictions)")
-    ap.add_argument("--train-modes", type=lambda t: [m for m in ("eager", "compiled") if m in t.split(",")],
+    ap.add_argument("--train-modes", type=_names(("eager", "compiled"), "mode(s)"),
                     default=["eager", "compiled"], help="bench_gpu_train's modes: eager,compiled (default both; "
                     "--quick: eager)")
-    ap.add_argument("--memory-configs", type=_configs, default=None,
+    ap.add_argument("--memory-configs", type=_names(MEMORY_GRID, "config(s)"), default=None,
                     help=f"the memory grid's configs to run (default all; --quick: {','.join(MEMORY_QUICK)}): "
                          f"{','.join(MEMORY_GRID)}")
     ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole check (default 480; "

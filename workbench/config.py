@@ -222,15 +222,10 @@ def _read_json_object(p: Path, what: str = "a Hugging Face config.json") -> Any:
     """A config.json's JSON through the safe-reader layer (:mod:`workbench.safeio`): a regular file of at
     most ``CONFIG_MAX`` bytes (a FIFO would block the open, /dev/zero never ends), UTF-8, not nested past
     the parser's depth; one ValueError naming the file otherwise."""
-    from workbench.safeio import CONFIG_MAX, FileRefused, read_json
+    from workbench.safeio import CONFIG_MAX, read_json
 
     fix_missing = f"pass a preset name or {what}" if "Hugging Face" in what else f"pass {what}"
-    try:
-        return read_json(p, CONFIG_MAX, "config.json", fix="fix or re-download the file", fix_missing=fix_missing)
-    except FileRefused:
-        raise
-    except ValueError:  # an integer of more digits than Python converts (sys.set_int_max_str_digits)
-        raise ValueError(f"{p}: holds a number too long to be a setting; fix or re-download the file") from None
+    return read_json(p, CONFIG_MAX, "config.json", fix="fix or re-download the file", fix_missing=fix_missing)
 
 
 PRESETS: dict[str, ModelConfig] = {
