@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # JupyterLab refuses root unless told; containers and CI machines often run as root.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test test-gpu gpu-bundle gpu-check install browser clean extension
+.PHONY: lab test test-all test-gpu gpu-bundle gpu-check install browser clean extension
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ lab: $(STAMP) extension
 
 test: $(STAMP) browser extension
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Everything `make test` runs, plus what is too slow for it: every tutorial's dashboard and plots driven in
+# Chromium (Run All twice, and a page reload), not only the first ones.
+test-all: $(STAMP) browser extension
+	WORKBENCH_BROWSER_TUTORIALS=all WORKBENCH_BROWSER_PLOTS=all $(PY) -m pytest $(PYTEST_ARGS)
 
 # The tests marked `gpu` (NCCL training, pinned async checkpoints and bitwise resume on CUDA, CUDA memory
 # events, the Triton kernels on the GPU, the GPU benchmarks' smoke runs), on a machine with a GPU. It

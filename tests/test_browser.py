@@ -221,6 +221,49 @@ def start_lab(root: Path, base: Path, settings: Path, env: dict, extra: tuple[st
         _stop_server(server)
 
 
+@contextlib.contextmanager
+def start_files_lab(root: Path, base: Path):
+    """A JupyterLab serving ``root`` (files for the Workbench tabs) with the workbench server extension, its
+    settings and state under ``base``; yields the :class:`LabServer`."""
+    settings = base / "app-settings"
+    settings.mkdir()
+    (settings / "overrides.json").write_text(json.dumps(LAB_OVERRIDES))
+    (settings / "page_config.json").write_text(json.dumps(PAGE_CONFIG))
+    for d in ("config", "data", "runtime", "user-settings", "workspaces"):
+        (base / d).mkdir()
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTER_DATA_DIR=str(base / "data"),
+               JUPYTER_RUNTIME_DIR=str(base / "runtime"), JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1",
+               XDG_CACHE_HOME=str(base / "cache"))  # the parsed-snapshot cache, not the user's
+    with start_lab(root, base, settings, env, ("--ServerApp.jpserver_extensions={'workbench.jupyter': True}",)) as server:
+        yield server
+
+
+def write_notebook(path: Path, cells: list[str]) -> None:
+    """A notebook of code cells, no outputs, for the python3 kernel."""
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
+                     "source": src} for i, src in enumerate(cells)],
+          "metadata": {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"},
+                       "language_info": {"name": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    path.write_text(json.dumps(nb))
+
+
+def menu(page, menu_name: str, item: "re.Pattern") -> None:
+    """Click ``item`` in JupyterLab's ``menu_name`` menu (File, Run, Kernel...)."""
+    page.get_by_role("menuitem", name=menu_name, exact=True).click()
+    page.get_by_role("menuitem", name=item).click()
+
+
+def restart_and_run_all(page) -> None:
+    """Kernel > Restart Kernel and Run All Cells, confirmed."""
+    from playwright.sync_api import expect
+
+    menu(page, "Kernel", re.compile(r"^Restart Kernel and Run All Cells"))
+    dialog = page.locator(".jp-Dialog")
+    expect(dialog).to_be_visible(timeout=10_000)
+    dialog.locator("button.jp-mod-accept").click()
+
+
 def _stop_server(server: LabServer) -> None:
     """Ask the server to shut down its kernels and exit; then make sure nothing of it is left."""
     proc = server.proc

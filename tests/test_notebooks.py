@@ -161,9 +161,14 @@ for _name, _view in list(globals().items()):
 print("probed:", ", ".join(_probed) or "none")
 """
 
+# The widgets alive in the kernel at the end: each widget an output names must be one of them, or the saved
+# notebook shows "Error displaying widget: model not found" when reopened (a progress bar that closed its
+# widget did; issue 28).
+LIVE_WIDGETS = "import ipywidgets as _w, json as _j\nprint('LIVE_WIDGETS', _j.dumps(sorted(_w.Widget.widgets)))"
+
 # Text a notebook must never show its reader: a kernel message that could not be sent (NaN in a widget's
 # state), a torch warning meant for gloo, a rank's log line.
-LEAKS = ("Message serialization failed", "does not support alltoall", "[rank")
+LEAKS = ("Message serialization failed", "does not support alltoall", "[rank", "USDT:", "returned a view tensor")
 
 
 @pytest.mark.notebook
@@ -181,6 +186,7 @@ def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path):
     )
     # Extra cells, in memory only: proof that the kernel ran on this interpreter, and the widget probe.
     probe = nbformat.v4.new_code_cell(WIDGET_PROBE)
+    live = nbformat.v4.new_code_cell(LIVE_WIDGETS)
     where = nbformat.v4.new_code_cell("import sys; print(sys.executable)")
     with PeakTreeRSS() as mem:
         # Raises CellExecutionError, with the cell and its traceback, on the first failure. cleanup_kc: shut
@@ -193,11 +199,19 @@ def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path):
                          for o in cell.get("outputs", []) if o.get("name") == "stderr"
                          and any(leak in o.get("text", "") for leak in LEAKS)]
                 assert not leaks, f"{path.name}, Run All #{n + 1}, shows its reader:\n" + "\n".join(leaks)
-            for extra in (probe, where):  # nbclient writes each cell back into nb.cells at its index
+            shown = {(i, o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"])
+                     for i, cell in enumerate(nb.cells) for o in cell.get("outputs", [])
+                     if "application/vnd.jupyter.widget-view+json" in o.get("data", {})}
+            for extra in (live, probe, where):  # nbclient writes each cell back into nb.cells at its index
                 nb.cells.append(extra)
                 client.execute_cell(extra, len(nb.cells) - 1)
     print(f"\n{path.name}: {passes} x Run All; peak memory of the kernel's process tree: RSS "
           f"{mem.peak_rss_bytes / 2**20:.0f} MiB ({mem.peak_processes} processes), PSS {mem.peak_pss_bytes / 2**20:.0f} MiB")
+    alive = {m for line in "".join(o.get("text", "") for o in live.outputs if o.get("output_type") == "stream").splitlines()
+             if line.startswith("LIVE_WIDGETS ") for m in json.loads(line.split(" ", 1)[1])}
+    gone = sorted(f"cell {i}" for i, model in shown if model not in alive)
+    assert not gone, (f"{path.name}: {', '.join(gone)} show a widget the kernel has closed; reopened, the notebook "
+                      "would say 'Error displaying widget: model not found' there")
     printed = "".join(o.get("text", "") for o in where.outputs if o.get("output_type") == "stream")
     assert printed.strip() == sys.executable
     probed = "".join(o.get("text", "") for o in probe.outputs if o.get("output_type") == "stream")

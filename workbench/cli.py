@@ -154,7 +154,7 @@ def _follow_quietly(run, deadline: tuple[float, float] | None) -> None:
 
 
 def _follow_with_progress(run, deadline: tuple[float, float] | None) -> None:
-    from tqdm.auto import tqdm
+    from workbench.progress import tqdm
 
     from workbench.train.resumed import Resumed
 

@@ -370,6 +370,25 @@ def fsdp_param_groups(module: Any) -> list:
     return list(groups)
 
 
+def quiet_fsdp_view_output_warning() -> None:
+    """Stop FSDP2's "returned a view tensor ... wrong gradients" UserWarning for our Transformer only.
+
+    Under tensor parallelism the output head (``ColwiseParallel(use_local_output=True)``) ends in
+    ``DTensor.to_local()``, which returns a view of the all-gathered logits (autograd needs a new tensor
+    object), so the FSDP2 root's output is a view. torch 2.13 warns on every such output because an
+    in-place op on it (``logits += bias``) would drop the root's pre-backward hook and its all-gather. Our
+    logits are only ever read: the step's and the pipeline's loss is ``F.cross_entropy(logits.float()...)``,
+    so the hook always runs. Avoiding the view would mean a copy of the logits (the largest activation) or
+    a DTensor loss. The filter names the class and torch's module, so the warning still reaches anyone
+    else's model, and ours wherever this is not called.
+    """
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            message=r"FSDP2-wrapped module \(FSDPTransformer\) returned a view tensor",
+                            module=r"torch\.distributed\.fsdp\._fully_shard\._fsdp_state")
+
+
 def zero_partition(optimizer: Any) -> list | None:
     """ZeRO-1's parameter groups per rank (``ZeroRedundancyOptimizer._partition_parameters()``), else None."""
     fn = getattr(optimizer, "_partition_parameters", None)

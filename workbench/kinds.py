@@ -23,6 +23,9 @@ Three views of one training state, one vocabulary each, all defined here:
 
 from __future__ import annotations
 
+# One colour per kind, from the one palette every plot uses (checkpoint kinds reuse their in-memory kind's).
+from workbench.palette import KIND_COLORS
+
 __all__ = ["STATE_KINDS", "CHECKPOINT_KINDS", "KEY_PREFIXES", "PREFIX_KIND", "STATE_TO_CHECKPOINT",
            "KIND_COLORS", "checkpoint_kind"]
 
@@ -32,9 +35,6 @@ KEY_PREFIXES = ("model", "optim", "ema", "sched", "rng", "extra")
 PREFIX_KIND = {"model": "model", "optim": "optimizer", "optimizer": "optimizer", "master": "master",
                "rng": "rng", "ema": "extra", "sched": "extra", "extra": "extra"}
 STATE_TO_CHECKPOINT = {"parameter": "model", "gradient": None, "optimizer": "optimizer", "master": "master"}
-# One colour per kind, shared by every plot (checkpoint kinds reuse their in-memory kind's colour).
-KIND_COLORS = {"parameter": "#1f77b4", "gradient": "#ff7f0e", "optimizer": "#2ca02c", "master": "#9467bd",
-               "model": "#1f77b4", "rng": "#8c564b", "extra": "#7f7f7f"}
 
 
 def checkpoint_kind(name: str) -> str:

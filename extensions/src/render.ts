@@ -141,10 +141,43 @@ export function jsonView(value: Json, depth = 0, hint = ''): HTMLElement {
   return t;
 }
 
+/** The step of 1, 2 or 5 times a power of ten that cuts `span` into at most about `target` intervals
+ * (workbench.ticks.nice_step: the memory tab's axes come from the server, the other charts use this). */
+export function niceStep(span: number, target = 5): number {
+  if (!(Number.isFinite(span) && span > 0)) {
+    return 1;
+  }
+  const raw = span / Math.max(1, target);
+  const power = Math.pow(10, Math.floor(Math.log10(raw)));
+  for (const m of [1, 2, 5, 10]) {
+    if (m * power >= raw * (1 - 1e-9)) {
+      return m * power;
+    }
+  }
+  return 10 * power;
+}
+
+/** A multiple of `step` with the decimals the step needs, trailing zeros dropped. */
+export function tickLabel(v: number, step: number): string {
+  const d = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+  const text = v.toFixed(d).replace(/(\.\d*?)0+$/, '$1').replace(/\.$/, '');
+  return Number(text) === 0 ? '0' : text;
+}
+
+function multiples(lo: number, hi: number, step: number): number[] {
+  const out: number[] = [];
+  for (let k = Math.ceil(lo / step - 1e-9); k <= Math.floor(hi / step + 1e-9); k++) {
+    out.push(k * step);
+  }
+  return out;
+}
+
 export interface ISeries {
   name: string;
   x: number[];
   y: number[];
+  /** Its colour, where it has a meaning (default: the k-th line's). */
+  color?: string;
 }
 
 /** A line chart of one or more series sharing the x axis; drag to select an x window. */
@@ -154,6 +187,8 @@ export function lineChart(
     title?: string;
     xLabel?: string;
     yFormat?: (v: number) => string;
+    /** y values are bytes: ticks in one binary unit (MiB, GiB), 1-2-5 steps. */
+    yBytes?: boolean;
     onSelect?: (x0: number, x1: number) => void;
     width?: number;
     height?: number;
@@ -190,18 +225,34 @@ export function lineChart(
   if (y0 > 0 && y0 / y1 < 0.5) {
     y0 = 0;
   }
+  // 1-2-5 ticks: y widened to whole steps (in one binary unit for bytes), x ticks inside the data's range
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
+  let scale = 1;
+  let unit = '';
+  if (options.yBytes) {
+    let k = 0;
+    while (Math.max(Math.abs(y0), Math.abs(y1)) / scale >= 1024 && k < units.length - 1) {
+      scale *= 1024;
+      k++;
+    }
+    unit = ` ${units[k]}`;
+  }
+  const ystep = niceStep((y1 - y0) / scale, 4);
+  y0 = Math.floor(y0 / scale / ystep + 1e-9) * ystep * scale;
+  y1 = Math.ceil(y1 / scale / ystep - 1e-9) * ystep * scale;
+  const xstep = niceStep(x1 - x0, 5);
   const sx = (x: number) => m.l + ((x - x0) / (x1 - x0)) * (W - m.l - m.r);
   const sy = (y: number) => H - m.b - ((y - y0) / (y1 - y0)) * (H - m.t - m.b);
   root.appendChild(svg('line', { x1: m.l, y1: H - m.b, x2: W - m.r, y2: H - m.b, class: 'pw-axis' }));
   root.appendChild(svg('line', { x1: m.l, y1: m.t, x2: m.l, y2: H - m.b, class: 'pw-axis' }));
-  for (let i = 0; i <= 4; i++) {
-    const yv = y0 + ((y1 - y0) * i) / 4;
-    const ty = svg('text', { x: m.l - 4, y: sy(yv) + 4, 'text-anchor': 'end', class: 'pw-tick' });
-    ty.textContent = fmt(yv);
+  for (const v of multiples(y0 / scale, y1 / scale, ystep)) {
+    const ty = svg('text', { x: m.l - 4, y: sy(v * scale) + 4, 'text-anchor': 'end', class: 'pw-tick pw-ytick', 'data-value': v * scale });
+    ty.textContent = options.yBytes || !options.yFormat ? tickLabel(v, ystep) + unit : fmt(v);
     root.appendChild(ty);
-    const xv = x0 + ((x1 - x0) * i) / 4;
-    const tx = svg('text', { x: sx(xv), y: H - m.b + 14, 'text-anchor': 'middle', class: 'pw-tick' });
-    tx.textContent = Math.abs(xv) >= 1e4 ? xv.toExponential(2) : String(Number(xv.toPrecision(4)));
+  }
+  for (const xv of multiples(x0, x1, xstep)) {
+    const tx = svg('text', { x: sx(xv), y: H - m.b + 14, 'text-anchor': 'middle', class: 'pw-tick pw-xtick', 'data-value': xv });
+    tx.textContent = tickLabel(xv, xstep);
     root.appendChild(tx);
   }
   if (options.xLabel) {
@@ -216,7 +267,11 @@ export function lineChart(
         pts.push(`${sx(s.x[i]).toFixed(1)},${sy(s.y[i]).toFixed(1)}`);
       }
     }
-    root.appendChild(svg('polyline', { points: pts.join(' '), class: `pw-line pw-line-${k % 6}` }));
+    const line = svg('polyline', { points: pts.join(' '), class: `pw-line pw-line-${k % 6}` });
+    if (s.color) {
+      line.style.stroke = s.color; // a colour with a meaning (the palette's total), not the k-th line's
+    }
+    root.appendChild(line);
   });
   if (series.length > 1) {
     const legend = el('div', 'pw-legend-box');
@@ -256,22 +311,29 @@ export function lineChart(
   return box;
 }
 
-/** A histogram from bin edges (n+1) and counts (n). */
-export function histogram(edges: number[], counts: number[], title = 'histogram'): HTMLElement {
+/** A histogram from bin edges (n+1) and counts (n). ``logCount``: bar heights on a log10(1 + count) axis,
+ * so a few sparse bins beside a full one still show; ``xLabel``: what x is (``x``, ``log10 |x|``). */
+export function histogram(
+  edges: number[],
+  counts: number[],
+  title = 'histogram',
+  options: { logCount?: boolean; xLabel?: string } = {}
+): HTMLElement {
   const W = 480;
-  const H = 180;
-  const m = { l: 48, r: 8, t: 20, b: 30 };
+  const H = options.xLabel ? 194 : 180;
+  const m = { l: 48, r: 8, t: 20, b: options.xLabel ? 44 : 30 };
   const box = el('div', 'pw-chart');
-  const root = svg('svg', { viewBox: `0 0 ${W} ${H}`, width: W, height: H });
+  const root = svg('svg', { viewBox: `0 0 ${W} ${H}`, width: W, height: H, 'data-count-scale': options.logCount ? 'log' : 'linear' });
   box.appendChild(root);
   const t = svg('text', { x: m.l, y: 14, class: 'pw-chart-title' });
   t.textContent = title;
   root.appendChild(t);
   const n = counts.length;
   const top = Math.max(1, ...counts);
+  const scale = options.logCount ? (c: number) => Math.log10(1 + c) / Math.log10(1 + top) : (c: number) => c / top;
   const bw = (W - m.l - m.r) / Math.max(1, n);
   counts.forEach((c, i) => {
-    const h = (c / top) * (H - m.t - m.b);
+    const h = scale(c) * (H - m.t - m.b);
     root.appendChild(svg('rect', { x: m.l + i * bw, y: H - m.b - h, width: Math.max(1, bw - 1), height: h, class: 'pw-bar' }));
   });
   if (edges.length) {
@@ -281,9 +343,19 @@ export function histogram(edges: number[], counts: number[], title = 'histogram'
       root.appendChild(tx);
     }
   }
+  if (options.xLabel) {
+    const tx = svg('text', { x: (m.l + W - m.r) / 2, y: H - 6, 'text-anchor': 'middle', class: 'pw-tick pw-axis-label' });
+    tx.textContent = options.xLabel;
+    root.appendChild(tx);
+  }
   const ty = svg('text', { x: m.l - 4, y: m.t + 8, 'text-anchor': 'end', class: 'pw-tick' });
-  ty.textContent = String(top);
+  ty.textContent = top.toLocaleString('en-US');
   root.appendChild(ty);
+  if (options.logCount) {
+    const tl = svg('text', { x: m.l - 4, y: m.t + 20, 'text-anchor': 'end', class: 'pw-tick' });
+    tl.textContent = 'log';
+    root.appendChild(tl);
+  }
   return box;
 }
 

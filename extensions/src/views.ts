@@ -70,6 +70,150 @@ function summaryTable(obj: Json, skip: string[] = []): HTMLElement {
 
 // ---------------------------------------------------------------- checkpoint browser
 
+/** A field's label: the server's (workbench.checkpoint.labels, the notebook browser's words), else its words. */
+function ckptLabel(k: string, labels: Json): string {
+  const l = labels && typeof labels === 'object' ? labels[k] : undefined;
+  return typeof l === 'string' ? l : k.replace(/^n_/, '').replace(/_/g, ' ');
+}
+
+/** A number as workbench.checkpoint.labels.format_number prints it: 16,384 · 0.01235 · 1.235e-04. */
+export function ckptNumber(v: number): string {
+  if (!Number.isFinite(v)) {
+    return Number.isNaN(v) ? 'NaN' : v > 0 ? 'inf' : '-inf';
+  }
+  if (Number.isInteger(v)) {
+    return v.toLocaleString('en-US');
+  }
+  const a = Math.abs(v);
+  if (a >= 1e-3 && a < 1e4) {
+    const t = String(Number(v.toPrecision(4))); // no trailing zeros: 0.5, not 0.5000
+    if (!/e/.test(t)) {
+      return t;
+    }
+  }
+  return v.toExponential(3).replace(/e([+-])(\d)$/, 'e$10$2'); // 1.235e-04, as Python writes it
+}
+
+function ckptValue(v: Json, k: string): string {
+  if (v === null || v === undefined) {
+    return '';
+  }
+  if (typeof v === 'number') {
+    return /bytes/.test(k) && Number.isInteger(v) ? formatBytes(v) : ckptNumber(v);
+  }
+  if (/shape$/.test(k) && Array.isArray(v)) {
+    return v.length ? v.join(' × ') : 'scalar';
+  }
+  if (Array.isArray(v) && v.every(x => x === null || typeof x !== 'object')) {
+    return v.join(', ');
+  }
+  return formatValue(v, k);
+}
+
+/** A key/value table of an answer's scalar fields, labelled in words (data-key: the field). */
+function ckptSummary(obj: Json, labels: Json, skip: string[] = []): HTMLElement {
+  const t = el('table', 'pw-table pw-kv pw-summary');
+  for (const [k, v] of Object.entries(scalars(obj))) {
+    if (skip.includes(k) || v === null || v === undefined) {
+      continue;
+    }
+    const tr = t.insertRow();
+    tr.appendChild(el('th', undefined, ckptLabel(k, labels)));
+    const td = tr.insertCell();
+    td.textContent = ckptValue(v, k);
+    td.dataset.key = k;
+    if (typeof v === 'number') {
+      td.className = 'pw-num';
+      td.style.whiteSpace = 'nowrap';
+    }
+  }
+  return t;
+}
+
+/** The key table: every column but the key on one line, and the key breaking after its dots (a dotted name
+ * has no spaces), so a narrow pane squeezes the key, never pushes shape, size or shards out of sight. */
+function ckptTable(
+  rows: Record<string, Json>[],
+  cols: string[],
+  labels: Json,
+  onRowClick?: (row: Record<string, Json>, tr: HTMLTableRowElement) => void
+): HTMLTableElement {
+  const t = el('table', 'pw-table pw-ckpt-table');
+  const head = t.createTHead().insertRow();
+  for (const c of cols) {
+    const th = el('th', undefined, ckptLabel(c, labels));
+    th.style.whiteSpace = 'nowrap';
+    head.appendChild(th);
+  }
+  const body = t.createTBody();
+  for (const r of rows) {
+    const tr = body.insertRow();
+    for (const c of cols) {
+      const td = tr.insertCell();
+      td.dataset.col = c;
+      if (c === 'key') {
+        // a dotted name breaks after its dots (<wbr>); within a part only where the part alone is too long
+        // (break-word, unlike anywhere, leaves the column's min-content at its longest part)
+        String(r[c] ?? '').split(/(?<=\.)/).forEach((part, i) => {
+          if (i) {
+            td.appendChild(document.createElement('wbr'));
+          }
+          td.appendChild(document.createTextNode(part));
+        });
+        td.style.overflowWrap = 'break-word';
+      } else {
+        td.textContent = ckptValue(r[c], c);
+        td.style.whiteSpace = 'nowrap';
+      }
+      if (typeof r[c] === 'number') {
+        td.className = 'pw-num';
+      }
+    }
+    if (onRowClick) {
+      tr.classList.add('pw-clickable');
+      tr.addEventListener('click', () => onRowClick(r, tr));
+    }
+  }
+  return t;
+}
+
+/** A verify, diff or load-dry-run answer as nested tables: the server's labels for its fields (a name the
+ * table lacks is data, such as a tensor kind, and shows as it is), numbers as the notebook prints them. */
+function ckptJson(value: Json, labels: Json, depth = 0, hint = ''): HTMLElement {
+  const name = (k: string) => (labels && typeof labels[k] === 'string' ? labels[k] : k);
+  if (value === null || typeof value !== 'object') {
+    return el('span', 'pw-scalar', ckptValue(value, hint));
+  }
+  if (Array.isArray(value)) {
+    if (value.length && value.every(v => v && typeof v === 'object' && !Array.isArray(v))) {
+      const cols = Array.from(new Set(value.slice(0, 200).flatMap(r => Object.keys(r))));
+      const box = el('div');
+      box.appendChild(ckptTable(value.slice(0, 200), cols, labels));
+      if (value.length > 200) {
+        box.appendChild(el('div', 'pw-note', `first 200 of ${value.length} rows`));
+      }
+      return box;
+    }
+    if (value.length > 8) { // a list of keys: folded, one a line
+      const box = el('details');
+      box.append(el('summary', undefined, `${value.length} items`), el('pre', undefined, value.map(String).join('\n')));
+      return box;
+    }
+    return el('span', 'pw-scalar', ckptValue(value, hint));
+  }
+  const t = el('table', 'pw-table pw-kv');
+  for (const [k, v] of Object.entries(value)) {
+    const tr = t.insertRow();
+    const th = el('th', undefined, name(k));
+    th.style.whiteSpace = 'nowrap';
+    tr.appendChild(th);
+    const td = tr.insertCell();
+    const h = /bytes/.test(k) ? k : hint || k; // under a "..._bytes" key every number is a byte count
+    td.appendChild(depth < 3 ? ckptJson(v, labels, depth + 1, h) : el('span', undefined, ckptValue(v, h)));
+  }
+  return t;
+}
+
 export class CheckpointView {
   constructor(readonly host: HTMLElement, readonly path: string, readonly info: Json) {}
 
@@ -77,6 +221,10 @@ export class CheckpointView {
   private readonly limit = 200;
   private filter = '';
   private kind = '';
+  private labels: Json = {};
+  // the histogram's scales, kept from one tensor to the next
+  private logX = false;
+  private logCount = false;
 
   async render(): Promise<void> {
     this.host.replaceChildren();
@@ -103,6 +251,12 @@ export class CheckpointView {
     const body = el('div', 'pw-split');
     const keys = el('div', 'pw-keys');
     const detail = el('div', 'pw-detail', 'Select a key to see its statistics and histogram.');
+    // The key table never narrower than its columns (keys break after dots, nothing else breaks): in a
+    // narrow tab the detail moves below it instead of squeezing the table into a side-scrolling box.
+    body.style.flexWrap = 'wrap';
+    keys.style.minWidth = 'min-content';
+    detail.style.flex = '1 1 30%'; // beside the keys while it has 280px (the histogram scales down to fit)
+    detail.style.minWidth = '280px';
     body.append(keys, detail);
     const shardMap = el('details', 'pw-shard-map');
     this.host.append(summary, actions, bar, body, shardMap);
@@ -120,14 +274,15 @@ export class CheckpointView {
         });
         if (first) {
           first = false;
-          summary.replaceChildren(summaryTable(m.summary ?? this.info, ['path']));
+          this.labels = m.labels ?? {};
+          summary.replaceChildren(ckptSummary(m.summary ?? this.info, this.labels, ['path']));
           if (m.summary?.bytes_by_kind) {
             summary.appendChild(table([m.summary.bytes_by_kind], undefined, undefined, Object.keys(m.summary.bytes_by_kind)));
           }
           if (Array.isArray(m.shard_map) && m.shard_map.length) {
             shardMap.replaceChildren(
               el('summary', undefined, `shard map: ${m.shard_map.length} files`),
-              table(asRecords(m.shard_map), ['file', 'rank', 'chunks', 'bytes'], undefined, ['bytes'])
+              ckptTable(asRecords(m.shard_map), ['file', 'rank', 'chunks', 'bytes'], this.labels)
             );
           }
         }
@@ -137,10 +292,14 @@ export class CheckpointView {
         prev.disabled = this.offset === 0;
         next.disabled = this.offset + rows.length >= total;
         keys.replaceChildren(
-          table(rows, ['key', 'dtype', 'shape', 'kind', 'bytes', 'n_shards'], (row, tr) => {
+          ckptTable(rows, ['key', 'dtype', 'shape', 'kind', 'bytes', 'n_shards'], this.labels, (row, tr) => {
             keys.querySelectorAll('tr.pw-selected').forEach(n => n.classList.remove('pw-selected'));
             tr.classList.add('pw-selected');
-            void this.showTensor(detail, row);
+            void this.showTensor(detail, row).then(() => {
+              if (detail.offsetTop > keys.offsetTop + keys.offsetHeight / 2) {
+                detail.scrollIntoView({ block: 'start' }); // below the keys (a narrow tab): bring it in sight
+              }
+            });
           })
         );
       } catch (err) {
@@ -174,144 +333,88 @@ export class CheckpointView {
 
   private async showTensor(detail: HTMLElement, row: Record<string, Json>): Promise<void> {
     const key = String(row.key);
-    detail.replaceChildren(el('h3', 'pw-key', key), el('div', 'pw-note', 'reading…'));
+    const heading = () => {
+      const h = el('h3', 'pw-key', key);
+      h.style.overflowWrap = 'anywhere'; // a long dotted name wraps inside the pane
+      return h;
+    };
+    detail.replaceChildren(heading(), el('div', 'pw-note', 'reading…'));
     try {
-      const t = await requestAPI('checkpoint/tensor', { path: this.path, key, bins: 64 });
-      detail.replaceChildren(el('h3', 'pw-key', key), summaryTable(t, ['path', 'key']));
+      const t = await requestAPI('checkpoint/tensor', { path: this.path, key, bins: 64, log: this.logX });
+      detail.replaceChildren(heading(), ckptSummary(t, t.labels ?? this.labels, ['path', 'key']));
       const h = t.histogram;
-      if (h && Array.isArray(h.counts) && Array.isArray(h.centers) && h.centers.length) {
-        const w = Number(h.width ?? 0);
-        const centers = h.centers.map(Number);
-        const edges = [...centers.map((c: number) => c - w / 2), centers[centers.length - 1] + w / 2];
-        detail.appendChild(histogram(edges, h.counts.map(Number), `histogram of ${key}`));
+      if (h && Array.isArray(h.counts) && Array.isArray(h.centers)) {
+        const chart = el('div', 'pw-histogram');
+        const draw = () => chart.replaceChildren(this.histogramOf(h));
+        detail.append(this.scaleToggles(detail, row, draw), chart);
+        draw();
       }
       if (Array.isArray(row.shards) && row.shards.length) {
-        detail.append(el('h4', undefined, `shards (${row.n_shards ?? row.shards.length})`), table(asRecords(row.shards)));
+        detail.append(
+          el('h4', undefined, `shards (${row.n_shards ?? row.shards.length})`),
+          ckptTable(asRecords(row.shards), ['file', 'rank', 'offsets', 'lengths'], this.labels)
+        );
       }
     } catch (err) {
-      detail.replaceChildren(el('h3', 'pw-key', key), el('div', 'pw-error', errorText(err)));
+      detail.replaceChildren(heading(), el('div', 'pw-error', errorText(err)));
     }
   }
-}
 
-// ---------------------------------------------------------------- memory timeline
-
-export class MemoryView {
-  constructor(readonly host: HTMLElement, readonly path: string, readonly info: Json) {}
-
-  /** While a large snapshot is read (in the server's background), each answer says how far it is and
-   * shows the part read so far; the full timeline replaces it. */
-  async render(window?: [number, number]): Promise<void> {
-    if (!this.host.childElementCount) {
-      this.host.appendChild(el('div', 'pw-note', 'reading the snapshot and downsampling…'));
-    }
-    let tl: Json;
-    try {
-      let wait = 300; // the first answer comes quickly, so the progress shows from the start
-      for (;;) {
-        tl = await requestAPI('memory/timeline', { path: this.path, t0: window?.[0], t1: window?.[1], points: 1000, wait });
-        if (tl.complete !== false) {
-          break;
-        }
-        if (!this.host.isConnected) {
-          return; // the tab was closed
-        }
-        this.drawProgress(tl.progress ?? {});
-        wait = 1000;
-      }
-    } catch (err) {
-      showError(this.host, err);
-      return;
-    }
-    const ranks: Json[] = tl.per_rank ?? [];
-    const series: ISeries[] = ranks.map(r => ({
-      name: `rank ${r.rank} total`,
-      x: (r.t ?? []).map(Number),
-      y: (r.total_bytes ?? []).map(Number)
-    }));
-    if (ranks.length === 1) {
-      for (const [name, ys] of Object.entries(ranks[0].categories ?? {})) {
-        series.push({ name, x: series[0].x, y: (ys as Json[]).map(Number) });
-      }
-    }
-    const peaks = ranks.map(r => ({
-      rank: r.rank,
-      peak_bytes: r.peak?.bytes,
-      't (s)': r.peak?.t,
-      step: r.peak?.step,
-      phase: r.peak?.phase,
-      window_peak_bytes: r.window_peak?.bytes,
-      events: r.events,
-      events_in_window: r.events_in_window
-    }));
-    const bar = el('div', 'pw-toolbar');
-    const reset = el('button', 'jp-Button pw-reset', 'Whole timeline');
-    reset.disabled = !window;
-    reset.addEventListener('click', () => void this.render());
-    const shown = tl.window ?? tl.t_range ?? [];
+  /** log10 |x| asks the server for the histogram over log10 |x| (zeros left out); log count redraws the
+   * same bars on a log count axis. */
+  private scaleToggles(detail: HTMLElement, row: Record<string, Json>, redraw: () => void): HTMLElement {
+    const bar = el('div', 'pw-toolbar pw-scales');
+    const box = (cls: string, text: string, title: string, on: boolean, change: (v: boolean) => void) => {
+      const label = el('label', 'pw-scale', undefined);
+      const input = el('input', cls);
+      input.type = 'checkbox';
+      input.checked = on;
+      input.addEventListener('change', () => change(input.checked));
+      label.title = title;
+      label.append(input, document.createTextNode(` ${text}`));
+      return label;
+    };
     bar.append(
-      reset,
-      el('span', 'pw-note', `window ${shown.map((x: number) => Number(x).toPrecision(5)).join(' – ')} s; drag across the plot to zoom`)
-    );
-    this.host.replaceChildren(
-      summaryTable(tl, ['path', 'window', 'points', 'complete']),
-      table(peaks),
-      bar,
-      lineChart(series, {
-        title: 'allocated bytes',
-        xLabel: 't (s)',
-        yFormat: formatBytes,
-        onSelect: (a, b) => void this.render([a, b])
+      box('pw-log-x', 'log10 |x|', 'histogram of log10 |x| (zeros left out): values spanning decades', this.logX, v => {
+        this.logX = v;
+        void this.showTensor(detail, row);
+      }),
+      box('pw-log-count', 'log count', 'counts on a log scale: the sparse bins next to a full one', this.logCount, v => {
+        this.logCount = v;
+        redraw();
       })
     );
-    for (const r of ranks) {
-      if (r.peak?.by_category) {
-        this.host.append(el('h4', undefined, `rank ${r.rank} at peak, by category`), table([r.peak.by_category], undefined, undefined, Object.keys(r.peak.by_category)));
-      }
-      if (Array.isArray(r.peak?.alive) && r.peak.alive.length) {
-        this.host.append(el('h4', undefined, `rank ${r.rank}: largest blocks alive at peak`), table(asRecords(r.peak.alive)));
-      }
-    }
+    return bar;
   }
 
-  /** The progress bar and the line of the part read: what the server has read is real data, labelled
-   * as partial (no base, no categories, no peak until the whole file is read). */
-  private drawProgress(pr: Json): void {
-    const fraction = typeof pr.fraction === 'number' ? pr.fraction : 0;
-    const pct = `${Math.floor(fraction * 100)}%`;
-    const stage =
-      pr.stage === 'reading'
-        ? `${pct} read (${formatBytes(Number(pr.bytes_read ?? 0))} of ${formatBytes(Number(pr.bytes_total ?? 0))})`
-        : `${pct} read; ${pr.stage ?? 'finishing'}…`;
-    const bar = el('progress', 'pw-progress') as HTMLProgressElement;
-    bar.max = 1;
-    bar.value = fraction;
-    const ranks: Json[] = (pr.per_rank ?? []).filter((r: Json) => !r.several_devices);
-    const series: ISeries[] = ranks.map(r => ({
-      name: `rank ${r.rank}: allocated − freed since the trace's first event`,
-      x: (r.t ?? []).map(Number),
-      y: (r.delta_bytes ?? []).map(Number)
-    }));
-    const box = el('div', 'pw-partial');
-    box.append(
-      el('div', 'pw-note pw-progress-label', `reading the snapshot: ${stage}, ${Number(pr.elapsed_s ?? 0).toFixed(1)} s`),
-      bar
-    );
-    if (series.some(x => x.x.length)) {
-      box.append(
-        table(ranks.map(r => ({ rank: r.rank, events_read: r.events_read, max_delta_bytes: r.max_delta_bytes }))),
-        lineChart(series, {
-          title: `partial: the first ${pct} of the file (no base bytes or categories until it is all read)`,
-          xLabel: 't (s)',
-          yFormat: formatBytes
-        })
-      );
+  private histogramOf(h: Json): HTMLElement {
+    const centers: number[] = (h.centers ?? []).map(Number);
+    if (!centers.length) {
+      return el('div', 'pw-note', 'no finite non-zero values to draw');
     }
-    this.host.replaceChildren(box);
+    const w = Number(h.width ?? 0);
+    const edges = [...centers.map((c: number) => c - w / 2), centers[centers.length - 1] + w / 2];
+    const log = h.scale && h.scale !== 'linear';
+    const left = log && Number(h.excluded) ? ` (${ckptNumber(Number(h.excluded))} zeros left out)` : '';
+    // (the key is the heading above: the title says what is counted)
+    return histogram(edges, (h.counts ?? []).map(Number), `histogram of ${log ? 'log10 |x|' : 'x'}${left}`, {
+      logCount: this.logCount,
+      xLabel: log ? 'log10 |x|' : 'x'
+    });
   }
 }
 
+// ---------------------------------------------------------------- memory timeline: memory.ts
+
 // ---------------------------------------------------------------- run replay
+
+/** The run's RSS column: the process's resident set, never called a peak (issue 28). */
+const RSS = 'RSS (resident set)';
+const RUN_LABELS: Record<string, string> = {
+  peak_mem_bytes: 'peak_mem_bytes (recorded peak)',
+  peak_mem_source: 'peak measured by',
+  rss_bytes: 'RSS (process resident set, largest at a step end; not a peak of tensor bytes)'
+};
 
 export class RunView {
   constructor(readonly host: HTMLElement, readonly path: string, readonly info: Json) {}
@@ -358,7 +461,14 @@ export class RunView {
     const refresh = el('button', 'jp-Button pw-refresh', 'Refresh');
     refresh.addEventListener('click', () => void this.render());
     bar.append(refresh, el('span', 'pw-status', `status: ${r.status ?? 'unknown'}, ${r.total ?? this.since} events`));
-    this.host.replaceChildren(summaryTable(r.summary ?? {}), bar);
+    const summary = summaryTable(r.summary ?? {});
+    for (const [key, label] of Object.entries(RUN_LABELS)) {
+      const td = summary.querySelector(`td[data-key="${key}"]`);
+      if (td?.previousElementSibling) {
+        td.previousElementSibling.textContent = label;
+      }
+    }
+    this.host.replaceChildren(summary, bar);
     for (const e of this.errors) {
       const lines = String(e.traceback ?? e.message ?? '').trim().split('\n');
       this.host.appendChild(el('div', 'pw-error', `rank ${e.rank}: ${lines[lines.length - 1]}`));
@@ -382,15 +492,67 @@ export class RunView {
       lineChart(per('loss'), { title: 'loss', xLabel: 'step' }),
       lineChart(per('tokens_per_s'), { title: 'throughput (tokens/s)', xLabel: 'step' })
     );
+    this.drawMemory(r.summary ?? {});
     if (r.summary?.pipeline) {
       const box = el('div', 'pw-pipeline', 'reading the pipeline schedule…');
       this.host.appendChild(box);
       void this.drawPipeline(box, this.pipelineStep);
     }
+    // a step's mem_bytes is the resident set on CPU (RSS, labelled so) and the allocator's peak on CUDA
+    const cuda = new Set(asRecords(r.summary?.memory ?? []).filter(m => String(m.device).startsWith('cuda')).map(m => m.rank));
+    const steps = this.lastSteps.map(e => ({
+      rank: e.rank,
+      step: e.step,
+      loss: e.loss,
+      tokens_per_s: e.tokens_per_s,
+      step_time_s: e.step_time_s,
+      peak_mem_bytes: e.peak_mem_bytes ?? (cuda.has(e.rank) ? e.mem_bytes : null),
+      [RSS]: cuda.has(e.rank) ? null : e.mem_bytes
+    }));
     this.host.append(
       el('h4', undefined, 'last steps'),
-      table(this.lastSteps, ['rank', 'step', 'loss', 'tokens_per_s', 'step_time_s', 'mem_bytes'])
+      table(steps, ['rank', 'step', 'loss', 'tokens_per_s', 'step_time_s', 'peak_mem_bytes', RSS], undefined, ['peak_mem_bytes', RSS])
     );
+  }
+
+  /** The recorded peak per rank and per pipeline stage (one meaning of "peak": the tensor bytes the run
+   * recorded), and the resident set beside it, labelled RSS. */
+  private drawMemory(summary: Json): void {
+    const rows = asRecords(summary.memory ?? []);
+    if (!rows.length) {
+      return;
+    }
+    const box = el('div', 'pw-run-memory');
+    const ranks = rows.map(m => ({
+      rank: m.rank,
+      stages: Array.isArray(m.stages) ? m.stages.join(', ') : '',
+      device: m.device,
+      peak_mem_bytes: m.peak_mem_bytes,
+      'at step': m.peak_step,
+      [RSS]: m.rss_bytes,
+      'peak measured by': m.peak_source ?? 'nothing: run with --memory (or pp > 1) to record tensor bytes'
+    }));
+    box.append(
+      el('h4', undefined, 'memory per rank: recorded peak (peak_mem_bytes) and RSS'),
+      table(ranks, ['rank', 'stages', 'device', 'peak_mem_bytes', 'at step', RSS, 'peak measured by'], undefined, ['peak_mem_bytes', RSS])
+    );
+    const stages = asRecords(summary.pipeline?.stages ?? []);
+    if (stages.length) {
+      const per = stages.map(s => ({
+        stage: s.stage,
+        ranks: Array.isArray(s.ranks) ? s.ranks.join(', ') : '',
+        peak_mem_bytes: s.peak_mem_bytes,
+        [RSS]: s.rss_bytes
+      }));
+      box.append(
+        el('h4', undefined, 'memory per pipeline stage: the recorded peak of its ranks'),
+        table(per, ['stage', 'ranks', 'peak_mem_bytes', RSS], undefined, ['peak_mem_bytes', RSS])
+      );
+    }
+    if (summary.peak_mem_bytes !== undefined) {
+      box.appendChild(el('div', 'pw-note', `peak ${formatBytes(Number(summary.peak_mem_bytes))}: the largest recorded peak of any rank`));
+    }
+    this.host.appendChild(box);
   }
 
   /** One pipeline step as stage rows of forward (F) and backward (B) bars, coloured by microbatch, with
@@ -497,8 +659,14 @@ export async function renderAction(host: HTMLElement, endpoint: string, params: 
     ['identical', 'identical', 'different'],
     ['loadable', 'loads into the target layout', 'will not load into the target layout']
   ];
+  // A diff's verdict is about tensors (workbench.checkpoint.diff): red only when tensors differ, and its
+  // banner names the kinds that differ, or what is equal and what one side alone holds.
+  if (typeof result.verdict === 'string') {
+    const cls = result.verdict === 'different' ? 'pw-error' : result.verdict === 'not compared' ? 'pw-note' : 'pw-ok';
+    host.appendChild(el('div', `${cls} pw-verdict`, String(result.banner ?? result.verdict)));
+  }
   for (const [field, yes, no] of verdicts) {
-    if (typeof result[field] === 'boolean') {
+    if (typeof result[field] === 'boolean' && !(field === 'identical' && typeof result.verdict === 'string')) {
       host.appendChild(el('div', result[field] ? 'pw-ok pw-verdict' : 'pw-error pw-verdict', result[field] ? yes : no));
     }
   }
@@ -511,7 +679,14 @@ export async function renderAction(host: HTMLElement, endpoint: string, params: 
   for (const p of result.problems ?? []) {
     host.appendChild(el('div', 'pw-error', String(p.message ?? `${p.file}: ${p.problem}; ${p.fix}`)));
   }
-  host.appendChild(jsonView(result));
+  if (!result.labels) {
+    host.appendChild(jsonView(result));
+    return;
+  }
+  const shown = { ...result };
+  delete shown.labels;
+  delete shown.banner; // (the verdict line above)
+  host.appendChild(ckptJson(shown, result.labels));
 }
 
 export { WorkbenchError };

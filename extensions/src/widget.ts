@@ -2,7 +2,8 @@
 import { Widget } from '@lumino/widgets';
 import { requestAPI } from './api';
 import { el } from './render';
-import { CheckpointView, Kind, MemoryView, PlanView, RunView, renderAction, showError, viewKind } from './views';
+import { MemoryView } from './memory';
+import { CheckpointView, Kind, PlanView, RunView, renderAction, showError, viewKind } from './views';
 
 export interface IWorkbenchViewOptions {
   path: string;

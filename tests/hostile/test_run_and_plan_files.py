@@ -124,7 +124,8 @@ def test_the_server_answers_a_damaged_run_and_says_how_many_lines_it_skipped(tmp
     out = run_events(tmp_path, run, points=4)
     assert out["status"] == "succeeded" and out["summary"]["skipped_lines"] == n
     assert out["summary"]["first_skipped"] == "line 4: not UTF-8 text"
-    assert out["summary"]["steps_logged"] == 2 and out["summary"]["peak_mem_bytes"] == 1001
+    assert out["summary"]["steps_logged"] == 2 and out["summary"]["rss_bytes"] == 1001  # CPU mem_bytes: RSS
+    assert "peak_mem_bytes" not in out["summary"]  # no peak recorded: RSS is never called one (issue 28)
     assert run_pipeline(tmp_path, run)["pp"] == 2
     (run / "events.jsonl").write_bytes(b"\x00\x01\n\x02\n")
     with pytest.raises(Refused) as e:

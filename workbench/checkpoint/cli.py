@@ -2,7 +2,7 @@
 
     workbench ckpt inspect runs/r1                      what is in the latest checkpoint
     workbench ckpt verify runs/r1/checkpoints/step-000020   checksums, sizes, chunk tiling (exit 1 if bad)
-    workbench ckpt diff A B --top 5 --kind model        added/removed/reshaped keys, largest changes per tensor kind
+    workbench ckpt diff A B --top 5 --kind model        verdict (kinds that differ), largest changes per tensor kind
     workbench ckpt stats runs/r1 KEY --bins 30 --log    one tensor's statistics and histogram (of log10|x|)
     workbench ckpt convert SRC DST --to hf --include optimizer --max-shard-size 2GiB
     workbench ckpt plan-load SRC --dp-shard 2 --tp 2    will it load into that layout? (exit 1 if not)
@@ -152,6 +152,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         emit_json({"status": "ok", **d.to_dict(top=args.top)})
         return 0
     print(f"{d.a} -> {d.b}")
+    print(d.banner())
     print(d.summary_line())
     for k in d.added[:args.top]:
         print(f"  + {k}")

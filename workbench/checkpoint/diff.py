@@ -21,6 +21,16 @@ old one too. Their changes are folded, one row per (name, old value, new value) 
 parameters that changed so, in :meth:`CheckpointDiff.hyperparameter_changes`; a packed item's bytes are
 never compared, ranked or counted as values (its key is the digest of its content, so it differs whenever
 any value does).
+
+The verdict (:attr:`CheckpointDiff.verdict`, one line in :meth:`CheckpointDiff.banner`) is about tensors:
+
+* ``different``: in some tensor kind both sides hold, a value, shape or dtype differs, or a key is on one
+  side only; or hyper-parameter values differ where both sides hold them. The banner names those kinds.
+* ``equal``: every tensor both sides hold is equal, and what is left are whole kinds that one side does not
+  hold at all (a Hugging Face export has no RNG states, scheduler or step counters, and without
+  ``--include optimizer`` no optimizer state): "only in A/B", by kind (:attr:`only_in_a`), not a difference.
+* ``identical``: equal, and nothing is on one side only. ``not compared``: values not read, keys and
+  shapes the same.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
+from workbench.progress import tqdm
 
 from workbench.checkpoint.formats import open_source
 from workbench.checkpoint.manifest import is_hyperparameter
@@ -76,7 +86,13 @@ def _kind_order(tk: str) -> tuple[int, str]:
 
 @dataclass
 class CheckpointDiff:
-    """Added, removed and changed (shape/dtype) keys of ``b`` relative to ``a``, and value changes."""
+    """Added, removed and changed (shape/dtype) keys of ``b`` relative to ``a``, and value changes.
+
+    ``added``/``removed``: keys of a tensor kind both sides hold, on one side only (a difference).
+    ``only_in_a``/``only_in_b``: tensor kind -> keys, for kinds the other side holds none of (a format that
+    does not carry them: not a difference); hyper-parameters under ``optimizer hyper-parameter`` (their
+    ``<fqn>.<name>`` values when read, else the stored entries).
+    """
 
     a: str
     b: str
@@ -87,16 +103,98 @@ class CheckpointDiff:
     compared_values: bool = True
     hyper: pd.DataFrame = field(default_factory=pd.DataFrame)  # key, name, a, b (the values of hyper-parameters)
     kinds: list[str] | None = None  # the checkpoint kinds compared (None: all)
-    # how the hyper-parameters were compared: "" (neither side has any), "values" (decoded, see ``hyper``), or
-    # without values: "same" (the same packed items), "differ" (other items or entries), "not compared"
+    # how the hyper-parameters were compared: "" (neither side has any), "one side" (only one side has any: see
+    # only_in_a/b), "values" (decoded, see ``hyper``), or without values: "same" (the same packed items),
+    # "differ" (other items or entries), "not compared"
     hyper_status: str = ""
     packed: dict[str, list[str]] = field(default_factory=dict)  # "a"/"b" -> the optim.hyper.* items (JSON)
+    only_in_a: dict[str, list[str]] = field(default_factory=dict)  # tensor kind -> keys (kinds b has none of)
+    only_in_b: dict[str, list[str]] = field(default_factory=dict)
+    kind_of: dict[str, str] = field(default_factory=dict)  # key -> tensor kind, for added/removed/changed keys
+    n_common: int = 0  # keys on both sides (compared by name, shape and dtype; by value when values=True)
 
     @property
     def identical(self) -> bool:
+        """Nothing differs in what was compared, and nothing is on one side only."""
         return (not self.added and not self.removed and self.changed.empty
                 and (self.values.empty or bool(self.values["equal"].all())) and self.hyper_status != "differ"
-                and self.hyperparameter_changes().empty)
+                and self.hyperparameter_changes().empty and not self.only_in_a and not self.only_in_b)
+
+    def kind_differences(self) -> pd.DataFrame:
+        """Per tensor kind that differs: ``tensor_kind, values_differ, compared, changed, only_in_a, only_in_b``
+        (values that differ of those compared, keys whose shape or dtype changed, keys on one side only
+        within a kind both sides hold), in checkpoint-kind order; hyper-parameter values as their kind."""
+        cols = ["tensor_kind", "values_differ", "compared", "changed", "only_in_a", "only_in_b"]
+        rows: dict[str, dict[str, int]] = {}
+
+        def bump(tk: str, col: str, n: int = 1) -> None:
+            rows.setdefault(tk, dict.fromkeys(cols[1:], 0))[col] += n
+
+        v = self.values
+        for tk, g in (v.groupby("tensor_kind", sort=False) if len(v) else ()):
+            bump(tk, "compared", len(g))
+            bump(tk, "values_differ", int((~g["equal"]).sum()))
+        for k in self.changed["key"] if len(self.changed) else ():
+            bump(self.kind_of.get(k, "model"), "changed")
+        for col, keys in (("only_in_a", self.removed), ("only_in_b", self.added)):
+            for k in keys:
+                bump(self.kind_of.get(k, "model"), col)
+        if len(self.hyper):
+            bump(HYPERPARAMETER, "compared", len(self.hyper))
+            bump(HYPERPARAMETER, "values_differ", self.n_hyper_differ)
+        elif self.hyper_status == "differ":
+            bump(HYPERPARAMETER, "values_differ")
+        out = [{"tensor_kind": tk, **r} for tk, r in sorted(rows.items(), key=lambda x: _kind_order(x[0]))
+               if r["values_differ"] or r["changed"] or r["only_in_a"] or r["only_in_b"]]
+        return pd.DataFrame(out, columns=cols)
+
+    def differ_kinds(self) -> list[str]:
+        """The tensor kinds that differ (see :meth:`kind_differences`), in checkpoint-kind order."""
+        return list(self.kind_differences()["tensor_kind"])
+
+    @property
+    def verdict(self) -> str:
+        """``different``, ``equal`` (tensors equal; whole kinds on one side only), ``identical`` or
+        ``not compared`` (values not read; keys, shapes and dtypes the same). See the module docstring."""
+        if self.differ_kinds():
+            return "different"
+        if not self.compared_values and self.n_common:
+            return "not compared"
+        return "equal" if self.only_in_a or self.only_in_b else "identical"
+
+    def banner(self) -> str:
+        """The verdict in one line: the kinds that differ, or what was equal and what one side alone holds.
+
+        ``different: model (1 of 47 values differ, 1 only in A); only in A: rng 3, sched 4``
+        ``tensors equal: 192 of 192 compared; only in A: sched 4, rng 3, extra 2``
+        """
+        verdict = self.verdict
+        one_sided = "; ".join(f"only in {side}: " + ", ".join(_kind_count(tk, keys, self.compared_values)
+                                                               for tk, keys in _ordered(only))
+                              for side, only in (("A", self.only_in_a), ("B", self.only_in_b)) if only)
+        tail = f"; {one_sided}" if one_sided else ""
+        if verdict == "different":
+            parts = []
+            for r in self.kind_differences().itertuples(index=False):
+                what = []
+                if r.values_differ:
+                    what.append(f"{r.values_differ} of {r.compared} values differ" if r.compared
+                                else "values differ")
+                if r.changed:
+                    what.append(f"{r.changed} changed shape/dtype")
+                if r.only_in_a:
+                    what.append(f"{r.only_in_a} only in A")
+                if r.only_in_b:
+                    what.append(f"{r.only_in_b} only in B")
+                parts.append(f"{r.tensor_kind} ({', '.join(what)})")
+            return "different: " + ", ".join(parts) + tail
+        n = len(self.values)
+        hyper = f", {len(self.hyper)} hyper-parameter values equal" if len(self.hyper) else ""
+        if verdict == "not compared":
+            return f"same keys, shapes and dtypes in {self.n_common} tensors; values not compared" + tail
+        if verdict == "identical":
+            return f"identical: {n} of {n} tensors equal{hyper}"
+        return f"tensors equal: {n} of {n} compared{hyper}" + tail
 
     @property
     def n_differ(self) -> int:
@@ -162,7 +260,12 @@ class CheckpointDiff:
     def to_dict(self, top: int = 10) -> dict[str, Any]:
         changed = self.changed.assign(a_shape=self.changed.get("a_shape", pd.Series(dtype=object)).map(_list),
                                       b_shape=self.changed.get("b_shape", pd.Series(dtype=object)).map(_list))
-        return {"a": self.a, "b": self.b, "identical": self.identical, "added": self.added, "removed": self.removed,
+        return {"a": self.a, "b": self.b, "identical": self.identical, "verdict": self.verdict,
+                "banner": self.banner(), "differ_kinds": self.differ_kinds(),
+                "kind_differences": self.kind_differences().to_dict("records"),
+                "only_in_a": {tk: len(keys) for tk, keys in _ordered(self.only_in_a)},
+                "only_in_b": {tk: len(keys) for tk, keys in _ordered(self.only_in_b)},
+                "added": self.added, "removed": self.removed,
                 "changed": changed.to_dict("records"), "kinds": self.kinds,
                 "n_compared": int(len(self.values)), "n_equal": int(self.values["equal"].sum()) if len(self.values) else 0,
                 "by_tensor_kind": self.by_tensor_kind().to_dict("records"),
@@ -189,27 +292,41 @@ class CheckpointDiff:
                     + "; compare values to see which)")
         if self.hyper_status == "not compared":
             return "optimizer hyper-parameters not compared (values not read)"
+        if self.hyper_status == "one side":
+            return "optimizer hyper-parameters only in " + ("A" if HYPERPARAMETER in self.only_in_a else "B")
         return ""
 
     def summary_line(self) -> str:
         """``0 added, 0 removed, 0 changed shape/dtype, 245 of 681 values differ, 5 of 750 hyper-parameter
         values differ``: tensor values and hyper-parameter values are counted apart."""
         note = self._hyper_note()
+        one_sided = "".join(f", {sum(len(v) for k, v in only.items() if k != HYPERPARAMETER)} only in {side} "
+                            f"(kinds {other} has none of)" for side, other, only in
+                            (("A", "B", self.only_in_a), ("B", "A", self.only_in_b))
+                            if any(k != HYPERPARAMETER for k in only))
         return (f"{len(self.added)} added, {len(self.removed)} removed, {len(self.changed)} changed shape/dtype"
                 + (f", {self.n_differ} of {len(self.values)} values differ" if self.compared_values else "")
-                + (f", {note}" if note else "")
+                + one_sided + (f", {note}" if note else "")
                 + (f" (kinds: {', '.join(self.kinds)})" if self.kinds else ""))
 
     def _repr_html_(self) -> str:
         # Block elements (<p>, <h4>, tables) and spaces around inline ones: the text never runs together,
         # rendered or copied (textContent).
         esc = html.escape
+        colour = {"different": "#cf222e", "not compared": "#6e7781"}.get(self.verdict, "#1a7f37")
         parts = [f"<p><b>CheckpointDiff</b> <code>{esc(self.a)}</code> &rarr; <code>{esc(self.b)}</code></p>",
+                 f"<p class='wb-diff-verdict' style='color:{colour}; font-weight:600'>{esc(self.banner())}</p>",
                  f"<p>{esc(self.summary_line())}</p>"]
-        for title, keys in (("added", self.added), ("removed", self.removed)):
+        for title, keys in (("only in B (added)", self.added), ("only in A (removed)", self.removed)):
             if keys:
                 parts.append(f"<details><summary>{title} ({len(keys)})</summary> <pre>"
                              + esc("\n".join(keys[:200])) + "</pre></details>")
+        for side, only in (("A", self.only_in_a), ("B", self.only_in_b)):
+            if only:
+                keys = [k for _, ks in _ordered(only) for k in ks]
+                parts.append(f"<details><summary>only in {side}, kinds the other has none of: "
+                             + esc(", ".join(_kind_count(tk, ks, self.compared_values) for tk, ks in _ordered(only)))
+                             + "</summary> <pre>" + esc("\n".join(keys[:200])) + "</pre></details>")
         if len(self.changed):
             parts.append("<h4>changed shape or dtype</h4> " + self.changed.to_html(index=False))
         if len(self.values):
@@ -254,14 +371,32 @@ def diff(a, b, *, values: bool = True, kinds: Iterable[str] | None = None, progr
     ha = [k for k in ra if is_hyperparameter(k)]
     hb = [k for k in rb if is_hyperparameter(k)]
     hyper_a, hyper_b = {k: ra.pop(k) for k in ha}, {k: rb.pop(k) for k in hb}
-    added = [k for k in rb if k not in ra]
-    removed = [k for k in ra if k not in rb]
+    kind_of = {k: tensor_kind(k, r["kind"]) for side in (ra, rb) for k, r in side.items()}
+    # A key on one side only is a difference when the other side holds tensors of its kind (a layer
+    # missing, another rank's RNG state); a whole kind the other side holds none of is what its format
+    # does not carry (an HF export: no scheduler, RNG or step counters): "only in", not a difference.
+    kinds_a, kinds_b = {kind_of[k] for k in ra}, {kind_of[k] for k in rb}
+    only_in_a: dict[str, list[str]] = {}
+    only_in_b: dict[str, list[str]] = {}
+    for k in ra:
+        if k not in rb and kind_of[k] not in kinds_b:
+            only_in_a.setdefault(kind_of[k], []).append(k)
+    for k in rb:
+        if k not in ra and kind_of[k] not in kinds_a:
+            only_in_b.setdefault(kind_of[k], []).append(k)
+    added = [k for k in rb if k not in ra and kind_of[k] in kinds_a]
+    removed = [k for k in ra if k not in rb and kind_of[k] in kinds_b]
     common = [k for k in ra if k in rb]
     changed = [{"key": k, "kind": ra[k]["kind"], "a_dtype": ra[k]["dtype"], "a_shape": ra[k]["shape"],
                 "b_dtype": rb[k]["dtype"], "b_shape": rb[k]["shape"]}
                for k in common if ra[k]["shape"] != rb[k]["shape"] or ra[k]["dtype"] != rb[k]["dtype"]]
     rows, hyper = [], []
-    status = "" if not (ha or hb) else "values" if values else _hyper_status(ha, hb)
+    status = ("" if not (ha or hb) else "one side" if not (ha and hb)
+              else "values" if values else _hyper_status(ha, hb))
+    if status == "one side":  # one side holds no hyper-parameters at all (an export without the optimizer)
+        va = _hyper_values(sa, hyper_a) if values and ha else dict.fromkeys(ha)
+        vb = _hyper_values(sb, hyper_b) if values and hb else dict.fromkeys(hb)
+        (only_in_a if ha else only_in_b)[HYPERPARAMETER] = list(va or vb)
     if values:
         same_shape = [k for k in common if ra[k]["shape"] == rb[k]["shape"]]
         for k in tqdm(same_shape, desc="diff", unit="tensor", disable=not progress, leave=False):
@@ -269,7 +404,7 @@ def diff(a, b, *, values: bool = True, kinds: Iterable[str] | None = None, progr
             rows.append({"key": k, "kind": ra[k]["kind"], "tensor_kind": tensor_kind(k, ra[k]["kind"]),
                          **_value_change(ta, tb)})
             del ta, tb
-        if ha or hb:
+        if ha and hb:
             va, vb = _hyper_values(sa, hyper_a), _hyper_values(sb, hyper_b)
             hyper = [{"key": k, "name": k.rsplit(".", 1)[-1], "a": va.get(k), "b": vb.get(k)}
                      for k in list(va) + [k for k in vb if k not in va]]
@@ -279,10 +414,23 @@ def diff(a, b, *, values: bool = True, kinds: Iterable[str] | None = None, progr
                           hyper=pd.DataFrame(hyper, columns=["key", "name", "a", "b"]),
                           kinds=None if kinds is None else list(kinds), hyper_status=status,
                           packed={"a": [k for k in ha if k.startswith(_PACKED)],
-                                  "b": [k for k in hb if k.startswith(_PACKED)]})
+                                  "b": [k for k in hb if k.startswith(_PACKED)]},
+                          only_in_a=only_in_a, only_in_b=only_in_b, n_common=len(common),
+                          kind_of={k: kind_of[k] for k in added + removed + [c["key"] for c in changed]})
 
 
 _PACKED = "optim.hyper."
+
+
+def _ordered(only: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
+    return sorted(only.items(), key=lambda x: _kind_order(x[0]))
+
+
+def _kind_count(tk: str, keys: list[str], values: bool) -> str:
+    """``rng 3``; hyper-parameters as values (one per parameter and name) when read, else stored entries."""
+    if tk == HYPERPARAMETER:
+        return f"{tk}s ({len(keys)} {'values' if values else 'stored entries'})"
+    return f"{tk} {len(keys)}"
 
 
 def _hyper_status(ha: list[str], hb: list[str]) -> str:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from tqdm.auto import tqdm
+from workbench.progress import tqdm
 
 from workbench.checkpoint.contents import inspect
 from workbench.checkpoint.destination import ExportDestination

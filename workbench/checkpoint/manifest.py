@@ -168,10 +168,21 @@ class CheckpointManifest(RendersInNotebook):
         cols = ["key", "kind", "file", "rank", "offsets", "lengths", "bytes", "byte_offset", "byte_length"]
         return pd.DataFrame(rows, columns=cols)
 
+    @property
+    def n_tensors(self) -> int:
+        """Tensors proper (weights, moments, RNG states...): entries with a shape that are not optimizer
+        hyper-parameters. The one count that inspect, verify and the views all show."""
+        t = self.tensors()
+        return int(len(t) - t["key"].map(is_hyperparameter).astype(bool).sum())
+
+    @property
+    def n_hyperparameters(self) -> int:
+        """Stored optimizer hyper-parameter entries (per-key values, or packed ``optim.hyper.*`` items)."""
+        return int(self.frame["key"].map(is_hyperparameter).astype(bool).sum())
+
     def summary(self) -> dict[str, Any]:
         """Bytes by kind, counts, step and layout: the facts a person asks first."""
         t = self.tensors()
-        hyper = self.frame["key"].map(is_hyperparameter).astype(bool)
         by_kind = {k: int(t.loc[t["kind"] == k, "bytes"].sum()) for k in KINDS if (t["kind"] == k).any()}
         layout = self.layout
         describe = None
@@ -187,7 +198,7 @@ class CheckpointManifest(RendersInNotebook):
             "layout": layout, "layout_description": describe,
             # tensors proper (weights, moments, RNG states...): a hyper-parameter saved as a 0-d tensor is
             # counted under n_hyperparameters, not here
-            "n_tensors": int(len(t) - hyper[t.index].sum()), "n_hyperparameters": int(hyper.sum()),
+            "n_tensors": self.n_tensors, "n_hyperparameters": self.n_hyperparameters,
             "n_packed_hyperparameter_items": int(sum(str(k).startswith("optim.hyper.") for k in self.frame["key"])),
             "n_entries": int(len(self.frame)), "total_bytes": int(t["bytes"].sum()),
             "bytes_by_kind": by_kind, "n_params_model": int(sum(_numel(s) for s in t.loc[t["kind"] == "model", "shape"])),

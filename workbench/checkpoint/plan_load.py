@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from workbench.checkpoint.contents import inspect
-from workbench.checkpoint.manifest import CheckpointManifest
+from workbench.checkpoint.manifest import CheckpointManifest, is_hyperparameter
 from workbench.config import ModelConfig, ParallelConfig, resolve_model, validate
 from workbench.settings import parse_layout, split_settings
 from workbench.units import format_bytes
@@ -113,6 +113,24 @@ def _target_keys(cfg: ModelConfig, full_state: bool, dtype: torch.dtype) -> dict
     return keys
 
 
+def _dequantized_rows(m: CheckpointManifest, rows: dict[str, dict], want: dict[str, tuple[tuple, str]]) -> int:
+    """Put each quantized moment (``<key>.q`` codes + ``<key>.qscale`` scales, :mod:`workbench.checkpoint.quant`)
+    in ``rows`` under ``<key>``, as a load dequantizes it: the codes' global shape, the target's dtype, the
+    bytes of both. Returns how many."""
+    from workbench.checkpoint.quant import SCALE, Q
+
+    n = 0
+    for key in (m.quant or {}).get("keys") or {}:
+        q, scale = rows.get(key + Q), rows.get(key + SCALE)
+        if q is None or scale is None or key in rows:
+            continue  # verify names a manifest that disagrees with the metadata
+        dtype = want[key][1] if key in want else "float32"
+        rows[key] = {**q, "key": key, "dtype": dtype, "bytes": int(q["bytes"]) + int(scale["bytes"])}
+        del rows[key + Q], rows[key + SCALE]
+        n += 1
+    return n
+
+
 def _checked_dtype(dtype: Any) -> str:
     from workbench.config import TrainConfig
     from workbench.schema import check_value, kind_of, settings_of
@@ -171,6 +189,7 @@ def plan_load(src, to: "ParallelConfig | dict | str | None" = None, model: "str 
     from workbench.checkpoint.formats import open_source
 
     rows = {r["key"]: r for r in open_source(m).canonical_rows()}  # canonical names, whatever the format
+    quantized = _dequantized_rows(m, rows, want)
     have_non_tensor = set(m.frame.loc[m.frame["shape"].isna(), "key"]) if len(m.frame) else set()
     plan = LoadPlan(src=str(m.path), model=cfg.name, target=to.to_dict(),
                     target_description=to.describe() if to.dp_shard != -1 else str(to),
@@ -195,11 +214,17 @@ def plan_load(src, to: "ParallelConfig | dict | str | None" = None, model: "str 
         elif r["dtype"] != dt and not key.endswith(".step"):
             plan.dtype_changes.append({"key": key, "checkpoint_dtype": r["dtype"], "target_dtype": dt})
     for key in rows:  # keys the target does not ask for: harmless for DCP, but worth a look
-        if key in want or key.startswith(("rng.", "sched.", "extra.", "ema.", "optim.param_groups.")):
+        # The run's own state beside the tensors: RNG, scheduler, counters, EMA, and the optimizer's
+        # hyper-parameters, whatever their storage (optim.hyper.<digest> JSON, or per-key entries), which a
+        # resume loads into the param groups. Expected, so never "unexpected".
+        if key in want or key.startswith(("rng.", "sched.", "extra.", "ema.")) or is_hyperparameter(key):
             continue
         if key.startswith("optim.") and not full_state:
             continue
         plan.unexpected.append(key)
+    if quantized:
+        plan.notes.append(f"{quantized} optimizer moment(s) stored quantized ({m.quant.get('mode')}): the load "
+                          "dequantizes them into the optimizer's fp32 state")
     if plan.dtype_changes:
         plan.notes.append(f"{len(plan.dtype_changes)} tensor(s) change dtype on load (DCP copies into the "
                           f"target's dtype), e.g. {plan.dtype_changes[0]['key']}: {plan.dtype_changes[0]['checkpoint_dtype']}"

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
+from workbench.progress import tqdm
 
 from workbench.checkpoint.contents import _DISTCP, identify, inspect, read_hf_index
-from workbench.checkpoint.manifest import CheckpointManifest
+from workbench.checkpoint.manifest import CheckpointManifest, is_hyperparameter
 from workbench.checkpoint.safeload import CheckpointFormatError
 from workbench.checkpoint.store import new_hash, recorded_digest
 from workbench.safeio import FileRefused, confine, open_regular, regular_size
@@ -229,7 +229,7 @@ def _check_dcp_chunks(m: CheckpointManifest, report: VerifyReport, skip_files: s
                                        f"up to byte {need} (first: {first}); the file is truncated",
                                        "restore the file or use another checkpoint step"))
     report.checked["chunks"] = n_chunks
-    report.checked["tensors"] = int(m.frame["shape"].map(lambda s: s is not None).sum())
+    _count(m, report)
 
 
 def _check_hf_index(m: CheckpointManifest, report: VerifyReport) -> None:
@@ -241,8 +241,17 @@ def _check_hf_index(m: CheckpointManifest, report: VerifyReport) -> None:
         if total is not None and (type(total) is not int or total != actual):
             report.problems.append(Problem(str(index), f"metadata.total_size={total} but its tensors hold {actual} bytes",
                                            "re-export the checkpoint"))
-    report.checked["tensors"] = len(m.frame)
+    _count(m, report)
     report.checked["files"] = len(m.files)
+
+
+def _count(m: CheckpointManifest, report: VerifyReport) -> None:
+    """Tensors as the manifest counts them (``summary()["n_tensors"]``, what inspect and the tab show), and
+    the optimizer hyper-parameter entries apart (a packed ``optim.hyper.*`` item is JSON bytes, not a tensor),
+    so every tool gives one number for one checkpoint."""
+    report.checked["tensors"] = m.n_tensors
+    if m.n_hyperparameters:
+        report.checked["hyperparameter_entries"] = m.n_hyperparameters
 
 
 def verify(path: "str | os.PathLike | CheckpointManifest", *, deep: bool = False, progress: bool = True) -> VerifyReport:
@@ -281,7 +290,7 @@ def _verify(path, report: VerifyReport, deep: bool, progress: bool) -> VerifyRep
     elif fmt == "hf":
         _check_hf_index(m, report)
     else:
-        report.checked["tensors"] = len(m.frame)
+        _count(m, report)
         report.checked["files"] = len(m.files)
     if deep and report.ok:
         _deep_check(m, report, progress)
@@ -317,7 +326,7 @@ def _deep_check(m: CheckpointManifest, report: VerifyReport, progress: bool) -> 
     n = 0
     try:
         for key, t in iter_tensors(m, progress=progress):
-            n += 1
+            n += not is_hyperparameter(key)  # counted as the manifest counts tensors (see _count)
             # isfinite has no float8 kernels: test in fp32, which holds every float8 value exactly
             finite = torch.isfinite(t.float() if t.itemsize == 1 else t) if t.is_floating_point() else None
             if finite is not None and not bool(finite.all()):

@@ -513,7 +513,7 @@ class _Progress:
     """A tqdm bar over the run's steps, fed from rank 0's events (it starts at the resumed step)."""
 
     def __init__(self, run_dir: Path, job: JobConfig):
-        from tqdm.auto import tqdm
+        from workbench.progress import tqdm
 
         from workbench.train.events import EventReader
 

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from workbench.checkpoint.labels import LABELS, labels_for
 from workbench.jupyter.files import (FileCache, Refused, first_line, inside, json_safe, not_found, parse_bool,
                                      parse_int, parse_scalar, read_json, refusal, relative, resolve, stamp)
 from workbench.safeio import FileRefused, confine
@@ -119,11 +120,14 @@ def manifest_page(root: Path, p: Path, offset: int = 0, limit: int = 200, filter
                                  "lengths": list(s["lengths"])} for s in shards[:MAX_SHARDS_PER_ROW]]})
     summary = m.summary()
     summary["path"] = relative(root, m.path)
+    columns = ("key", "dtype", "shape", "kind", "bytes", "n_shards", "file", "rank", "chunks", "offsets", "lengths")
     return {"path": relative(root, m.path), "summary": summary, "kinds": sorted(set(m.frame["kind"])),
-            "shard_map": o.shard_map, "offset": offset, "limit": limit, "total": total, "rows": rows}
+            "shard_map": o.shard_map, "offset": offset, "limit": limit, "total": total, "rows": rows,
+            "labels": labels_for([*summary, *columns])}
 
 
-def tensor_answer(root: Path, p: Path, key: str, bins: int = 64) -> dict[str, Any]:
+def tensor_answer(root: Path, p: Path, key: str, bins: int = 64, log: bool = False) -> dict[str, Any]:
+    """One tensor's statistics and histogram (``log``: over log10 |x|), with the labels of its fields."""
     from workbench.checkpoint.stats import tensor_stats
 
     o = _opened(root, p)
@@ -143,7 +147,7 @@ def tensor_answer(root: Path, p: Path, key: str, bins: int = 64) -> dict[str, An
                       "read; pick a tensor key")
     try:
         with o.lock:  # one reader per checkpoint at a time: sources keep open file handles
-            stats = tensor_stats(o.tensor_source(), key, bins=bins)
+            stats = tensor_stats(o.tensor_source(), key, bins=bins, log=log)
     except FileRefused as e:  # CheckpointFormatError too
         raise _checkpoint_error(e, root) from None
     except KeyError as e:
@@ -154,6 +158,7 @@ def tensor_answer(root: Path, p: Path, key: str, bins: int = 64) -> dict[str, An
     stats["kind"] = row["kind"]
     stats["bytes"] = int(row["bytes"])
     stats["path"] = relative(root, m.path)
+    stats["labels"] = labels_for(stats)
     return stats
 
 
@@ -166,7 +171,7 @@ def verify_answer(root: Path, p: Path, deep: bool = False) -> dict[str, Any]:
         if not inside(root, m.path / str(f)):
             raise Refused(404, f"{relative(root, m.path)}/workbench.json lists {str(f)[:200]!r}, outside the "
                           "server's root; refusing to read it")
-    return verify(m.path, deep=deep, progress=False).to_dict()
+    return {**verify(m.path, deep=deep, progress=False).to_dict(), "labels": LABELS}
 
 
 def diff_answer(root: Path, a: Path, b: Path, values: bool = True, top: int = 20) -> dict[str, Any]:
@@ -179,6 +184,7 @@ def diff_answer(root: Path, a: Path, b: Path, values: bool = True, top: int = 20
         d[f"n_{k}"] = len(d[k])
         d[k] = d[k][:cap]
     d["a"], d["b"] = relative(root, ma.path), relative(root, mb.path)
+    d["labels"] = LABELS
     return d
 
 
@@ -244,4 +250,5 @@ def plan_load_answer(root: Path, p: Path, args: dict[str, str]) -> dict[str, Any
     d["unexpected"] = d["unexpected"][:200]
     d["n_missing"] = len(d["missing"])
     d["missing"] = d["missing"][:200]
+    d["labels"] = LABELS
     return d

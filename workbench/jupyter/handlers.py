@@ -34,13 +34,15 @@ substring of the key; ``kind``: comma-separated of model, optimizer, master, rng
      "kinds": [...], "shard_map": [{"file", "rank" (null unless DCP), "chunks", "bytes", "bytes_by_kind"}],
      "offset", "limit", "total" (rows after filtering),
      "rows": [{"key", "dtype", "shape" (null for a pickled plain value), "kind", "bytes", "n_shards",
-               "ranks": [writer ranks], "shards": [{"file", "rank", "offsets", "lengths"}] (first 64)}]}
+               "ranks": [writer ranks], "shards": [{"file", "rank", "offsets", "lengths"}] (first 64)}],
+     "labels": {field: what the views call it} (workbench.checkpoint.labels)}
 
-``GET checkpoint/tensor?path=&key=&bins=64`` (0 <= bins <= 1000; ``workbench.checkpoint.tensor_stats``,
-only that tensor is read, statistics over the finite values)::
+``GET checkpoint/tensor?path=&key=&bins=64&log=false`` (0 <= bins <= 1000; ``workbench.checkpoint.tensor_stats``,
+only that tensor is read, statistics over the finite values; ``log``: the histogram over log10 |x|)::
 
     {"path", "key", "dtype", "shape", "kind", "bytes", "numel", "min", "max", "mean", "std", "abs_mean", "norm",
-     "zeros", "non_finite", "histogram": {"centers": [...], "counts": [...], "width"}}
+     "zeros", "non_finite", "histogram": {"centers": [...], "counts": [...], "width", "scale", "excluded"},
+     "labels": {field: label}}
 
 ``GET checkpoint/verify?path=&deep=false`` -> ``VerifyReport.to_dict()``::
 
@@ -48,8 +50,11 @@ only that tensor is read, statistics over the finite values)::
 
 ``GET checkpoint/diff?path=&other=&values=true&top=20`` -> ``CheckpointDiff.to_dict()``, lists capped at 500::
 
-    {"a", "b", "identical", "added", "removed", "changed": [{key, kind, a_dtype, a_shape, b_dtype, b_shape}],
-     "n_added", "n_removed", "n_changed", "n_compared", "n_equal",
+    {"a", "b", "verdict" ("different" | "equal" | "identical" | "not compared"), "banner" (one line: the kinds
+     that differ, or what is equal and the kinds only one side holds), "differ_kinds", "only_in_a", "only_in_b"
+     ({tensor kind: count}), "identical", "added", "removed" (keys of kinds both hold, on one side only),
+     "changed": [{key, kind, a_dtype, a_shape, b_dtype, b_shape}], "n_added", "n_removed", "n_changed",
+     "n_compared", "n_equal",
      "top_changes": [{"key", "kind", "max_abs", "rel_norm", "equal"}]}
 
 ``GET checkpoint/plan-load?path=&to=dp_shard=2,tp=2&like=&model=&nproc=&full_state=&dtype=&<field>=<value>...``
@@ -63,11 +68,14 @@ its config.json or a plan JSON under the root, whose layout, and model if record
      "unexpected" (first 200), "n_unexpected", "reshaped": [{key, checkpoint_shape, target_shape}],
      "dtype_changes", "notes", "checked", "bytes_to_read"}
 
-``GET memory/timeline?path=&t0=&t1=&points=2000&rank=&wait=10000`` (seconds; default the whole trace; at
-most ``points`` points per rank, <= 20000: the min and max of equal-count bins, plus one point before t0
-so the line starts at the right level; ``rank``: comma-separated, default all). Parsed once per (path,
-mtime, size), in a background thread that ``open`` starts, and cached on disk (``timelines.cache_dir()``).
-While it is still being read after ``wait`` milliseconds (0..60000), the answer is at once::
+``GET memory/timeline?path=&t0=&t1=&points=2000&rank=&step=&overlay=&wait=10000`` (``t0``/``t1``: the
+window on the x axis, default the whole trace; at most ``points`` points per rank, <= 20000: the min and max
+of equal-count bins, plus one point before t0 so the line starts at the right level; ``rank``:
+comma-separated, or ``peak`` (the rank with the largest peak), default all; ``step``: that step's events
+only; ``overlay``: another memory file under the root, e.g. a saved prediction, drawn dashed). Parsed once
+per (path, mtime, size), in a background thread that ``open`` starts, and cached on disk
+(``timelines.cache_dir()``). While it is still being read after ``wait`` milliseconds (0..60000), the
+answer is at once::
 
     {"path", "complete": false,
      "progress": {"stage": "reading" | "labelling" | "summarizing", "bytes_read", "bytes_total", "fraction",
@@ -75,18 +83,29 @@ While it is still being read after ``wait`` milliseconds (0..60000), the answer 
                   "per_rank": [{"rank", "events_read", "several_devices" (then no line is drawn),
                                 "t": [...], "delta_bytes": [...] (allocated minus freed bytes since the trace's
                                 first event, of the part read: no base, no categories yet),
-                                "max_delta_bytes"}]}}
+                                "max_delta_bytes"}],
+                  "palette" (workbench.palette.palette(): a one-rank line is drawn in its total colour)}}
 
-and once read::
+and once read, what ``MemoryTimelineView`` draws of the same timeline (``workbench.jupyter.timelines``)::
 
     {"path", "complete": true, "parse": {"seconds", "cached"}, "source", "device", "ranks",
-     "categories": [8 names], "t_range": [t_min, t_max], "window": [t0, t1], "points", "steps",
-     "per_rank": [{"rank", "base_bytes", "events", "events_in_window",
-                   "t": [...], "total_bytes": [...], "categories": {category: [...]} (those non-zero),
+     "categories": [8 names], "t_range": [t_min, t_max], "window": [t0, t1], "points", "step", "steps",
+     "x": "time" | "step" (the step clock when the overlay's source differs), "x_range",
+     "x_axis": {"range", "step", "ticks", "labels", "window_label", "title"} (1-2-5 steps),
+     "palette": workbench.palette.palette(), "overlay": {"path", "complete", "source", ...} | null,
+     "peaks": [{"rank", "bytes", "t", "step", "phase"}] (every rank),
+     "per_rank": [{"rank", "base_bytes", "events", "events_in_window", "title",
+                   "t": [...], "x": [...], "total_bytes": [...], "stack": [categories, bottom first],
+                   "categories": {category: [...]} (those non-zero),
                    "peak": {"bytes", "t", "step", "phase", "microbatch", "by_category": {...},
-                            "alive": [{"id", "bytes", "category", "module", "op", "phase", "t"}] (top 10)},
+                            "alive": [{"id", "bytes", "category", "module", "op", "phase", "t"}] (top 10),
+                            "modules": [{"module", "bytes", "count"}] (top 10)},
                    "window_peak": {"bytes", "t", "phase", "step"} | null,
-                   "phases": [{"phase", "step", "microbatch", "t0", "t1"}]}]}
+                   "marker": {"kind": "peak" | "step" | "window", "bytes", "t", "x", "phase", "step",
+                              "microbatch", "label": [2 lines]} | null,
+                   "phases": [{"phase", "step", "microbatch", "t0", "t1", "x0", "x1", "color", "opacity"}],
+                   "overlay": {"rank", "source", "step", "x": [...], "total_bytes": [...]} | null,
+                   "y_axis": {"unit", "scale", "range", "step", "ticks" (bytes), "labels" (in unit)}}]}
 
 ``GET plan?path=&offset=0&limit=256`` (a plan JSON: ``workbench plan --json`` or ``ShardingPlan.to_json()``)::
 
@@ -104,13 +123,19 @@ returned, not what is counted; ``points`` > 0 adds per-rank step series downsamp
     {"path", "total", "since", "next" (pass as since next time; == total when caught up),
      "events": [event objects: type, rank, time, ...], "status": "running" | "succeeded" | "failed" | "stopped",
      "summary": {"status", "model", "layout", "steps_planned", "steps_logged", "first_loss", "final_loss",
-                 "last_step", "peak_mem_bytes", "ranks", "checkpoints": [steps], "error": {rank, message},
-                 "skipped_lines" (damaged lines of events.jsonl, skipped), "first_skipped": "line N: why"},
-     "series": {rank: {"step": [...], "loss", "tokens_per_s", "step_time_s", "mem_bytes", "grad_norm", "lr"}},
+                 "last_step", "peak_mem_bytes" (the recorded peak of tensor bytes, largest rank; absent when
+                 nothing recorded one), "peak_mem_source", "rss_bytes" (CPU: the process's resident set at
+                 step ends, largest; never called a peak), "memory": [{"rank", "stages", "device",
+                 "peak_mem_bytes", "peak_step", "peak_source", "rss_bytes"}], "ranks", "checkpoints": [steps],
+                 "error": {rank, message}, "skipped_lines" (damaged lines of events.jsonl, skipped),
+                 "first_skipped": "line N: why"},
+     "series": {rank: {"step": [...], "loss", "tokens_per_s", "step_time_s", "mem_bytes", "peak_mem_bytes",
+                       "grad_norm", "lr"}},
      "checkpoints": [{"step", "path", "latest"}] (the step-* directories of RUN_DIR/checkpoints and those its
                     checkpoint events name, under the root: the way in, since JupyterLab's file browser
                     cannot enter a folder named "checkpoints")}
-    (a pipeline run's summary also has "pipeline": {"schedule", "microbatches"}; 422 for an events.jsonl
+    (a pipeline run's summary also has "pipeline": {"schedule", "microbatches", "stages": [{"stage", "ranks",
+    "peak_mem_bytes" (the largest of its ranks'), "rss_bytes"}]}; 422 for an events.jsonl
     none of whose lines is an event)
 
 ``GET run/pipeline?path=&step=`` (default: the last step every pipeline rank reported, not the warm-up
@@ -131,7 +156,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from jupyter_server.base.handlers import APIHandler
+from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
@@ -267,7 +292,8 @@ def _tensor(h: _WorkbenchHandler) -> dict[str, Any]:
     key = h.get_argument("key", None)
     if not key:
         raise Refused(400, "missing ?key=; pick a key from checkpoint/manifest")
-    return checkpoints.tensor_answer(h.root, h.path(), key, bins=h.int_arg("bins", 64, 0, files.MAX_BINS))
+    return checkpoints.tensor_answer(h.root, h.path(), key, bins=h.int_arg("bins", 64, 0, files.MAX_BINS),
+                                     log=h.bool_arg("log", False))
 
 
 def _verify(h: _WorkbenchHandler) -> dict[str, Any]:
@@ -286,10 +312,15 @@ def _plan_load(h: _WorkbenchHandler) -> dict[str, Any]:
 
 def _timeline(h: _WorkbenchHandler) -> dict[str, Any]:
     ranks = h.list_arg("rank")
+    step = h.get_argument("step", None)
+    overlay = h.get_argument("overlay", None)
     return timelines.timeline_window(h.root, h.path(), h.float_arg("t0"), h.float_arg("t1"),
                                      points=h.int_arg("points", 2000, 4, files.MAX_POINTS),
-                                     ranks=None if ranks is None else [files.parse_int(r, "rank", 0) for r in ranks],
-                                     wait=h.int_arg("wait", 10_000, 0, 60_000) / 1000)
+                                     ranks="peak" if ranks == ["peak"] else None if ranks is None else
+                                     [files.parse_int(r, "rank", 0) for r in ranks],
+                                     wait=h.int_arg("wait", 10_000, 0, 60_000) / 1000,
+                                     step=None if step in (None, "") else files.parse_int(step, "step", -1),
+                                     overlay=None if not overlay else h.path("overlay"))
 
 
 def _plan(h: _WorkbenchHandler) -> dict[str, Any]:
@@ -328,10 +359,35 @@ class _NotFound(_WorkbenchHandler):
                       + ", ".join(f"{API_PREFIX}/{r}" for r in ROUTES))
 
 
+class _PlotlyJS(JupyterHandler):
+    """``workbench/static/plotly.min.js``: the plotly.js the plotly package ships, for the notebook plots
+    (workbench/widgets/plotly_view.js loads it once per page). Versioned URLs, so the browser keeps it:
+    a page with 25 plots, or reloaded, downloads it at most once."""
+
+    @web.authenticated
+    def get(self) -> None:
+        path = _plotly_js()
+        etag = f'"{path.stat().st_size}-{path.stat().st_mtime_ns}"'
+        self.set_header("Content-Type", "text/javascript; charset=utf-8")
+        self.set_header("Cache-Control", "private, max-age=31536000, immutable")
+        self.set_header("ETag", etag)
+        if self.request.headers.get("If-None-Match") == etag:
+            self.set_status(304)
+            return
+        self.write(path.read_bytes())
+
+
+def _plotly_js() -> Path:
+    import plotly
+
+    return Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+
+
 def setup_handlers(web_app: Any, root_dir: str | Path) -> None:
     """Add the routes above to a jupyter_server web application serving ``root_dir``."""
     base = web_app.settings.get("base_url", "/")
     kw = {"root": Path(root_dir).expanduser()}
     handlers = [(url_path_join(base, API_PREFIX, route) + "/?", _route(fn), kw) for route, fn in ROUTES.items()]
     handlers.append((url_path_join(base, API_PREFIX, ".*"), _NotFound, kw))
+    handlers.append((url_path_join(base, "workbench/static/plotly.min.js"), _PlotlyJS))
     web_app.add_handlers(".*$", handlers)

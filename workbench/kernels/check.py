@@ -105,7 +105,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _progress(total: int, desc: str, progress: bool):
-    from tqdm.auto import tqdm
+    from workbench.progress import tqdm
 
     return tqdm(total=total, desc=desc, unit="row", disable=not progress, leave=False)
 

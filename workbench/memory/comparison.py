@@ -7,8 +7,10 @@
 
 Each side is compared at its *own* peak (the two peaks need not happen at the same moment: the
 prediction may peak one microbatch earlier), so the question answered is "how much memory will each
-rank need, and for what", not "is the curve the same". The error is signed and relative to the
-measurement::
+rank need, and for what", not "is the curve the same". Only the peaks are compared, never the curves;
+so that an equal size cannot hide a different cause, each row also says in which phase (and step)
+each peak falls, and ``same_phase`` is False (flagged in the table) where the two differ. The error is
+signed and relative to the measurement::
 
     error = (predicted - measured) / measured        > 0: the prediction is too high (safe side)
 
@@ -35,7 +37,7 @@ from workbench.units import format_bytes
 __all__ = ["compare", "MemoryComparison", "matching_rank", "matching_step", "relative_error"]
 
 PEAK_COLUMNS = ["rank", "predicted_rank", "measured_peak", "predicted_peak", "error", "measured_step",
-                "measured_phase", "predicted_step", "predicted_phase"]
+                "measured_phase", "predicted_step", "predicted_phase", "same_phase"]
 CATEGORY_COLUMNS = ["rank", "category", "measured", "predicted", "error"]
 
 
@@ -92,14 +94,21 @@ class MemoryComparison(RendersInNotebook):
         return self.categories.copy()
 
     def summary(self) -> dict[str, Any]:
-        """Median and max |peak error| over the compared ranks, and the rank with the largest."""
+        """Median and max |peak error| over the compared ranks, the rank with the largest, and the ranks whose
+        two peaks fall in different phases."""
         err = self.peaks["error"].abs()
         worst = int(self.peaks["rank"].iloc[int(np.argmax(err.to_numpy()))]) if len(err) else None
-        return {"ranks": len(self.peaks), "median_abs_error": _num(err.median()) if len(err) else None,
+        return {"ranks": len(self.peaks), "compared": "peaks (each side at its own peak; curves are not compared)",
+                "median_abs_error": _num(err.median()) if len(err) else None,
                 "max_abs_error": _num(err.max()) if len(err) else None, "worst_rank": worst,
-                "unmatched_ranks": list(self.unmatched),
+                "phase_mismatch_ranks": self.phase_mismatch_ranks(), "unmatched_ranks": list(self.unmatched),
                 "measured": {"source": self.measured.source, "device": self.measured.device},
                 "predicted": {"source": self.predicted.source, "device": self.predicted.device}}
+
+    def phase_mismatch_ranks(self) -> list[int]:
+        """Ranks whose measured and predicted peaks fall in different phases: their sizes may agree for
+        different reasons (e.g. a prediction peaking in forward against a measurement peaking in backward)."""
+        return [int(r) for r, same in zip(self.peaks["rank"], self.peaks["same_phase"]) if not same]
 
     def to_json(self) -> str:
         """The summary, the per-rank peaks and the per-category rows (an infinite error is null)."""
@@ -113,12 +122,15 @@ class MemoryComparison(RendersInNotebook):
         s = self.summary()
         if not s["ranks"]:
             return "MemoryComparison(no rank in common)"
+        odd = s["phase_mismatch_ranks"]
+        where = f"; peaks in different phases on rank(s) {_ranks_text(odd)}" if odd else ""
         return (f"MemoryComparison({s['ranks']} rank(s), median |error| {s['median_abs_error']:.1%}, "
-                f"max {s['max_abs_error']:.1%} on rank {s['worst_rank']})")
+                f"max {s['max_abs_error']:.1%} on rank {s['worst_rank']}{where})")
 
     def _repr_html_(self) -> str:
         by_rank = {r: g.set_index("category") for r, g in self.categories.groupby("rank")}
-        head = "".join(f"<th>{h}</th>" for h in ("rank", "measured peak", "predicted peak", "error", *CATEGORIES))
+        head = "".join(f"<th>{h}</th>" for h in ("rank", "measured peak", "measured in", "predicted peak",
+                                                 "predicted in", "error", *CATEGORIES))
         rows = []
         for p in self.peaks.itertuples(index=False):
             cats = by_rank.get(p.rank)
@@ -128,13 +140,20 @@ class MemoryComparison(RendersInNotebook):
                 if cats is not None and (cats.at[c, "measured"] or cats.at[c, "predicted"]) else "<td></td>"
                 for c in CATEGORIES)
             via = f" (as {p.predicted_rank})" if p.predicted_rank != p.rank else ""
+            flag = ("" if p.same_phase else
+                    " <span class='pw-phase-differs' style='color:#b35806' title='the two peaks fall in different "
+                    "phases: the sizes may agree for different reasons'>&#9888; different phase</span>")
             rows.append(f"<tr><td>{p.rank}{via}</td><td>{format_bytes(p.measured_peak)}</td>"
-                        f"<td>{format_bytes(p.predicted_peak)}</td><td><b>{_pct(p.error)}</b></td>{cells}</tr>")
+                        f"<td>{_where(p.measured_phase, p.measured_step)}</td>"
+                        f"<td>{format_bytes(p.predicted_peak)}</td>"
+                        f"<td>{_where(p.predicted_phase, p.predicted_step)}{flag}</td>"
+                        f"<td><b>{_pct(p.error)}</b></td>{cells}</tr>")
         note = (f"<br><i>no prediction for measured rank(s) {html.escape(str(self.unmatched))}</i>"
                 if self.unmatched else "")
         return (f"<div><b>{html.escape(repr(self))}</b><table><tr>{head}</tr>{''.join(rows)}</table>"
-                f"<small>error = (predicted - measured) / measured, each at its own peak; the category "
-                f"columns are the same error per category (hover for the bytes)</small>{note}</div>")
+                f"<small>Compared: the peaks only, each side at its own peak (the curves are not compared), "
+                f"and the phase each peak falls in. error = (predicted - measured) / measured; the category "
+                f"columns are the same error per category at the peaks (hover for the bytes).</small>{note}</div>")
 
 
 def compare(measured: MemoryTimeline, predicted: MemoryTimeline) -> MemoryComparison:
@@ -157,7 +176,8 @@ def compare(measured: MemoryTimeline, predicted: MemoryTimeline) -> MemoryCompar
         p = predicted_peaks[rep]
         peak_rows.append({"rank": rank, "predicted_rank": rep, "measured_peak": m.bytes, "predicted_peak": p.bytes,
                           "error": relative_error(p.bytes, m.bytes), "measured_step": m.step,
-                          "measured_phase": m.phase, "predicted_step": p.step, "predicted_phase": p.phase})
+                          "measured_phase": m.phase, "predicted_step": p.step, "predicted_phase": p.phase,
+                          "same_phase": m.phase == p.phase})
         for c in CATEGORIES:
             mb, pb = m.by_category.get(c, 0), p.by_category.get(c, 0)
             cat_rows.append({"rank": rank, "category": c, "measured": mb, "predicted": pb,
@@ -177,6 +197,14 @@ def _num(v: Any) -> Any:
     if isinstance(v, (float, np.floating)):
         return float(v) if math.isfinite(v) else None
     return v
+
+
+def _where(phase: str, step: int) -> str:
+    return html.escape(phase) + (f", step {int(step)}" if step >= 0 else "")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:8]))}, ... ({len(ranks)} ranks)]"
 
 
 def _pct(e: float) -> str:

@@ -15,7 +15,11 @@ communication > activation > temporary > other``):
                    is given the model, and each module's direct parameters again as it runs forward
                    (FSDP2 swaps the gathered, unsharded parameters in just before)
     gradient       ``p.grad`` of the parameters an optimizer is about to step (a global optimizer
-                   step pre-hook, so no training code changes)
+                   step pre-hook, so no training code changes); ``p.grad`` of every parameter a module
+                   runs with, as soon as autograd has accumulated it (a post-accumulate-grad hook: FSDP2's
+                   gathered parameters get their gradients in backward and hand them to a reduce-scatter
+                   before any optimizer sees them); and a copy of a gradient made in backward (``_to_copy``
+                   or ``clone`` of a gradient: FSDP2's fp32 copies of bf16 gradients for the reduction)
     optimizer      the optimizer's state tensors after its step (AdamW's exp_avg, exp_avg_sq)
     activation     tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``:
                    the pack hook sees exactly what is saved). Under activation checkpointing the
@@ -38,10 +42,15 @@ Storages resized in place (FSDP2 frees its unsharded parameters with ``storage.r
 regrows them for the next all-gather) are followed by wrapping ``UntypedStorage.resize_`` while the
 recorder runs. Not seen: tensors made inside a tensor subclass's own dispatch (DTensor's short-lived
 redistribution buffers) and memory that is not a tensor storage (gloo's own buffers, Python objects).
+
+``blocks=True`` (predictions only) also keeps a :class:`BlockTrace`: which transformer block each
+parameter-like storage belongs to and what every operator read, from which ``workbench.prediction.fold``
+writes a stage of N identical blocks from a simulation of 4.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import weakref
 from typing import Any, Iterable
@@ -60,8 +69,41 @@ STRENGTH = {c: i for i, c in enumerate(("other", "temporary", "activation", "com
                                         "gradient", "optimizer", "parameter"))}
 assert set(STRENGTH) == set(CATEGORIES)
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "fsdp")
+# operators whose output is a copy of their first input: a copy of a gradient is a gradient
+_COPY_OPS = frozenset({torch.ops.aten._to_copy.default, torch.ops.aten.clone.default})
+
+# operators whose output is as large as their inputs together (a fold grows them: BlockTrace.joined)
+_JOIN_OPS = frozenset({torch.ops.aten.stack.default, torch.ops.aten.cat.default})
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")  # a transformer block's path: layers.<id>
 
 _ACTIVE: list["MemoryRecorder"] = []
+
+
+def _block_of_name(name: str) -> tuple[int, str]:
+    """The transformer block a module or parameter path is in (``layers.<id>``; -1 outside them), and the
+    path below it."""
+    m = _BLOCK.search(name)
+    return (int(m.group(1)), name[m.end():]) if m else (-1, name)
+
+
+class BlockTrace:
+    """What folding repeated transformer blocks needs (``workbench.prediction.fold``), kept by a recorder
+    made with ``blocks=True``: which block every parameter-like storage belongs to (its parameters, their
+    gathered copies, gradients and optimizer state), and, per operator, the storages it read, so that each
+    event can be told which block the program was working on when it happened."""
+
+    def __init__(self) -> None:
+        # per op: (rows logged before it, idents of its inputs); None: outside any block from here
+        self.touched: list[tuple[int, tuple[int, ...] | None]] = []
+        self.block_of: dict[int, int] = {}                     # ident -> layer id (-1: a parameter outside them)
+        # ident -> what it is within its block: (kind, parameter path below the block, how many of this kind
+        # and path the block had before), e.g. ("grad", "attention.wq.weight", 0): the same storage of
+        # another block has the same role
+        self.role_of: dict[int, tuple[str, str, int]] = {}
+        self._roles: dict[tuple[int, str, str], int] = {}
+        # stack/cat outputs (row index) -> (output bytes, ((ident, bytes) of each input)): their size is the
+        # sum of their inputs', which a fold repeats (the gradient norm stacks one sum per parameter)
+        self.joined: dict[int, tuple[int, tuple[tuple[int, int], ...]]] = {}
 
 
 def _clean_name(name: str) -> str:
@@ -96,7 +138,7 @@ class MemoryRecorder:
     """
 
     def __init__(self, rank: int = 0, device: str | torch.device = "cpu", *, clock: str = "wall",
-                 source: str = "measured", allocator: str | None = None):
+                 source: str = "measured", allocator: str | None = None, blocks: bool = False):
         if not compat.check("memory.recorder"):
             compat.require("memory.recorder", "memory recording", "upgrade torch (see `workbench doctor`)")
         self.rank = rank
@@ -122,12 +164,15 @@ class MemoryRecorder:
         self._seq = 0
         self._t0 = 0.0
         self._handles: list[Any] = []
+        self._grad_hooked: dict[int, Any] = {}  # id() -> weakref of the parameters with our post-accumulate-grad hook
+        self._grad_handles: list[Any] = []
         self._mode = None
         self._saved_hooks = None
         self._resize_orig = None
         self._graph_task = compat.get("current_graph_task_id")  # looked up once: they run for every tensor
         self._is_subclass = compat.get("is_traceable_wrapper_subclass")
         self.overhead_s = 0.0  # time spent inside the recorder's own bookkeeping
+        self.blocks = BlockTrace() if blocks else None
 
     # -- clock, phase ----------------------------------------------------------------------------
     def _now(self) -> float:
@@ -260,9 +305,40 @@ class MemoryRecorder:
                 self._names.setdefault(id(mod), _clean_name(name))
             self.label(m.parameters(), "parameter")
             self.label(m.buffers(), "parameter")
+            if self.blocks is not None:
+                for name, t in (*m.named_parameters(), *m.named_buffers()):
+                    self._block_is(t, "param", *_block_of_name(_clean_name(name)))
         if optimizer is not None:
             self._learn_optimizer(optimizer, state=True)
         return self
+
+    def _is_gradient(self, t) -> bool:
+        """True when ``t``'s storage is one the recorder already knows as a gradient."""
+        if not isinstance(t, torch.Tensor):
+            return False
+        for local in self._locals(t):
+            storage = self._storage(local)
+            entry = self._live.get(id(storage)) if storage is not None else None
+            if entry is not None and entry[2] == "gradient":
+                return True
+        return False
+
+    def _hook_gradient(self, p: torch.Tensor) -> None:
+        """Learn ``p.grad`` as a gradient as soon as autograd accumulates it (once per parameter object)."""
+        seen = self._grad_hooked.get(id(p))
+        if (seen is not None and seen() is p) or not (p.requires_grad and p.is_leaf):
+            return
+        self._grad_hooked[id(p)] = weakref.ref(p)
+        try:
+            self._grad_handles.append(p.register_post_accumulate_grad_hook(self._grad_accumulated))
+        except RuntimeError:  # a tensor autograd cannot hook: its gradient is learnt at the optimizer step
+            pass
+
+    def _grad_accumulated(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.label((p.grad,), "gradient")
+            if self.blocks is not None:
+                self._block_is(p.grad, "grad", *self._block_known(p))
 
     def _learn_optimizer(self, opt, *, grads: bool = False, state: bool = False) -> None:
         if grads:
@@ -270,6 +346,60 @@ class MemoryRecorder:
         if state:
             for st in opt.state.values():
                 self.label((v for v in st.values() if isinstance(v, torch.Tensor)), "optimizer")
+        if self.blocks is not None:  # a gradient and the state belong to their parameter's block
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    where = self._block_known(p)
+                    if grads and p.grad is not None:
+                        self._block_is(p.grad, "grad", *where)
+                    if state:
+                        for k, v in opt.state.get(p, {}).items():
+                            if isinstance(v, torch.Tensor):
+                                self._block_is(v, f"state:{k}", *where)
+
+    # -- blocks (folding) ------------------------------------------------------------------------
+    def _idents(self, t) -> list[int]:
+        out = []
+        for local in self._locals(t):
+            storage = self._storage(local)
+            entry = self._live.get(id(storage)) if storage is not None else None
+            if entry is not None:
+                out.append(entry[0])
+        return out
+
+    def _block_is(self, t, kind: str, block: int | None, path: str) -> None:
+        if block is None:
+            return
+        b = self.blocks
+        for ident in self._idents(t):
+            if ident not in b.block_of:
+                b.block_of[ident] = block
+                n = b._roles.get((block, kind, path), 0)
+                b._roles[(block, kind, path)] = n + 1
+                b.role_of[ident] = (kind, path, n)
+
+    def _block_known(self, t) -> tuple[int | None, str]:
+        """The block and path of a parameter the recorder knows (None: it does not)."""
+        for ident in self._idents(t):
+            block = self.blocks.block_of.get(ident)
+            if block is not None:
+                return block, self.blocks.role_of[ident][1]
+        return None, ""
+
+    def _note_inputs(self, rows: int, args, kwargs) -> None:
+        """Note the storages an operator reads (its tensor arguments, and those in list arguments)."""
+        idents = []
+        live = self._live
+        for a in (*args, *(kwargs.values() if kwargs else ())):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                for local in self._locals(t):
+                    storage = self._storage(local)
+                    entry = live.get(id(storage)) if storage is not None else None
+                    if entry is not None:
+                        idents.append(entry[0])
+        self.blocks.touched.append((rows, tuple(idents)))
 
     # -- hooks -----------------------------------------------------------------------------------
     def _make_mode(self):
@@ -278,25 +408,36 @@ class MemoryRecorder:
 
         class Recording(compat.get("TorchDispatchMode")):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                rows = len(rec._builder.rows)
+                if rec.blocks is not None:
+                    rec._note_inputs(rows, args, kwargs)
                 out = func(*args, **(kwargs or {}))
                 if out is None or isinstance(out, (torch.device, torch.dtype, int, float, bool)):
                     return out  # prim::device, sizes, scalars: half of all calls, nothing to count
                 t0 = time.perf_counter()
                 ns = getattr(func, "namespace", "")
                 comm = ns in _COMM_NAMESPACES
+                label = "communication" if comm else None
+                if func in _COPY_OPS and args and rec._is_gradient(args[0]) and rec._phase() == "backward":
+                    label = "gradient"
                 name = None
                 outs = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
                 for t in outs:
                     if isinstance(t, torch.Tensor):
                         name = name or _op_name(func)
                         for local in rec._locals(t):
-                            rec._see(local, "communication" if comm else None, name)
+                            rec._see(local, label, name)
                 if comm:  # buffers handed to a collective (DDP buckets, FSDP2's all-gather input)
                     name = name or _op_name(func)
                     for t in tree_flatten((args, kwargs))[0]:
                         if isinstance(t, torch.Tensor):
                             for local in rec._locals(t):
                                 rec._see(local, "communication", name)
+                if rec.blocks is not None:
+                    if func in _JOIN_OPS and len(rec._builder.rows) == rows + 1:
+                        ins = tuple((i, t.numel() * t.element_size()) for t in args[0]
+                                    if isinstance(t, torch.Tensor) for i in rec._idents(t)[:1])
+                        rec.blocks.joined[rows] = (out.numel() * out.element_size(), ins)
                 rec.overhead_s += time.perf_counter() - t0
                 return out
 
@@ -311,11 +452,16 @@ class MemoryRecorder:
         self._module_stack.append(self._names.get(id(module), type(module).__name__))
         if type(module).__name__ == "CheckpointWrapper" and torch.is_grad_enabled():
             self.label((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), "activation")
-        # FSDP2 has just swapped in the gathered parameters: they are parameters, not activations
-        for p in module._parameters.values():
+        # FSDP2 has just swapped in the gathered parameters: they are parameters, not activations; and
+        # their gradients, made in backward and reduced before any optimizer step, are gradients
+        for name, p in module._parameters.items():
             if p is not None:
                 for local in self._locals(p):
                     self._see(local, "parameter", "(unshard)")
+                self._hook_gradient(p)
+                if self.blocks is not None:
+                    block, path = _block_of_name(self._module_stack[-1])
+                    self._block_is(p, "param", block, f"{path}.{name}".lstrip("."))
 
     def _post_forward(self, module, args, output):
         if self._module_stack:
@@ -326,6 +472,8 @@ class MemoryRecorder:
 
     def _opt_post(self, opt, args, kwargs):
         self._learn_optimizer(opt, state=True)
+        if self.blocks is not None:  # what follows a step (zero_grad) is no block's work
+            self.blocks.touched.append((len(self._builder.rows), None))
 
     def __enter__(self) -> "MemoryRecorder":
         from torch.nn.modules import module as module_mod
@@ -354,9 +502,10 @@ class MemoryRecorder:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(*exc)
             self._saved_hooks = None
-        for h in self._handles:
+        for h in self._handles + self._grad_handles:
             h.remove()
-        self._handles = []
+        self._handles, self._grad_handles = [], []
+        self._grad_hooked.clear()
         if self in _ACTIVE:
             _ACTIVE.remove(self)
 
@@ -397,6 +546,25 @@ class MemoryRecorder:
         self._step_peak = self._live_bytes
         self._step_peak_by_cat = dict(self._cat_live)
         return out
+
+    @property
+    def events(self) -> list[tuple]:
+        """The events so far: (t, delta, category, phase, step, microbatch, module, op, ident) each."""
+        return self._builder.rows
+
+    @property
+    def categories(self) -> dict[int, str]:
+        """ident -> the strongest identity its storage has had."""
+        return self._final
+
+    def round_bytes(self, n: int) -> int:
+        """``n`` bytes as this recorder's allocator counts them."""
+        return self._round(n)
+
+    def set_events(self, rows: list[tuple], categories: dict[int, str]) -> None:
+        """Replace the events so far (a prediction folding repeated blocks: ``workbench.prediction.fold``)."""
+        self._builder.rows = list(rows)
+        self._final = dict(categories)
 
     def library_block(self, nbytes: int, op: str, phase: str = "forward") -> bool:
         """Count ``nbytes`` that a library takes from the allocator once and keeps (cuBLAS's workspaces) from

@@ -203,7 +203,7 @@ def _read_pickle(path: Path, progress: bool | Callable[[ReadProgress], None] = F
                     progress(watch)
             callback = report
         elif progress and len(buf) > (64 << 20):
-            from tqdm.auto import tqdm
+            from workbench.progress import tqdm
             bar = tqdm(total=len(buf), unit="B", unit_scale=True, desc=f"reading {path.name}", leave=False)
             callback = lambda p: bar.update(p - bar.n)  # noqa: E731
         if not len(buf):

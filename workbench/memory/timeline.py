@@ -294,6 +294,20 @@ class MemoryTimeline(RendersInNotebook):
                          "microbatch": p.microbatch, **{c: p.by_category.get(c, 0) for c in CATEGORIES}})
         return pd.DataFrame(rows)
 
+    def peak_breakdown(self) -> pd.DataFrame:
+        """What each rank's peak is made of, indexed by rank: one column per category that is non-zero at
+        some rank's peak (none left out, in :data:`CATEGORIES` order), then ``peak``, their sum. Bytes a
+        timeline cannot attribute (a base it does not split by category) would be an ``unattributed``
+        column, so a row always adds up to its peak."""
+        peaks = self.peaks().set_index("rank")
+        shown = [c for c in CATEGORIES if peaks[c].any()]
+        out = peaks[shown].astype(np.int64)
+        rest = peaks["peak_bytes"].astype(np.int64) - out.sum(axis=1)
+        if rest.any():
+            out["unattributed"] = rest
+        out["peak"] = peaks["peak_bytes"].astype(np.int64)
+        return out
+
     def alive_at(self, rank: int, index: int, top: int | None = 10) -> pd.DataFrame:
         """The allocations alive just after event ``index`` of ``rank``, largest first: id, bytes,
         category, module, op, phase and when each was made."""

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from workbench import compat
 from workbench.config import OPTIM_IMPLS, ParallelConfig, TrainConfig
 from workbench.parallel.checkpointing import apply_ac
 from workbench.parallel.data import apply_ddp, apply_fsdp, zero1_optimizer
@@ -53,6 +54,8 @@ def shard(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh | None,
                  mp_policy=fsdp_mp_policy(train.mixed_precision))
     if ddp_dim(parallel) is None and (parallel.dp_shard > 1 or (parallel.dp_replicate > 1 and parallel.tp > 1)):
         dims = ("dp_replicate", "dp_shard") if parallel.dp_replicate > 1 else ("dp_shard",)
+        if parallel.tp > 1:  # the TP output head returns a view of the logits: FSDP2 warns, needlessly here
+            compat.quiet_fsdp_view_output_warning()
         return apply_fsdp(model, mesh[dims], reshard_after_forward=parallel.zero != 2,
                           mp_policy=fsdp_mp_policy(train.mixed_precision))
     return model

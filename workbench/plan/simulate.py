@@ -428,7 +428,7 @@ def plan(model, parallel_config: ParallelConfig, train_shape: TrainConfig | dict
                                "simulated in a subprocess; pass a ModelConfig or preset name instead")
         return _plan_in_subprocess(cfg, parallel, train)
 
-    from tqdm.auto import tqdm
+    from workbench.progress import tqdm
 
     if parallel.pp == 1:
         sims = [_simulate_stage(build, parallel, train, None)]

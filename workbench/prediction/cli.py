@@ -188,6 +188,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     s = result.summary()
     print()
     print(", ".join(f"{k}: {v}" for k, v in s.items() if not isinstance(v, (dict, list))))
+    if s["phase_mismatch_ranks"]:
+        print(f"warning: on rank(s) {s['phase_mismatch_ranks']} the two peaks fall in different phases "
+              "(measured_phase, predicted_phase): the sizes may agree for different reasons")
     return 0
 
 

@@ -10,6 +10,7 @@ How llama-70b on 1024 ranks is predicted on a laptop::
             steps of the trainer's own step code               # forward, backward, optimizer:
                                                                # parallelize, pipeline schedule, AC,
                                                                # mixed precision, ZeRO, accumulation
+        its stage's 20 blocks simulated as 4, folded out to 20 # workbench.prediction.fold
     -> one MemoryTimeline, with meta["rank_map"]: every rank -> the representative it equals
 
 Because the predictor runs the trainer's code and counts with the recorder's rules, a prediction and a
@@ -66,7 +67,7 @@ def _job(job: Any, parallel: Any = None, train: Any = None, nproc: int | None = 
 def predict(job: JobConfig | str | ModelConfig | dict, *, device: str = "cpu", ranks: list[int] | None = None,
             steps: int | None = None, exact: bool = False, workers: int | None = None, progress: bool = True,
             parallel: ParallelConfig | dict | None = None, train: TrainConfig | dict | None = None,
-            nproc: int | None = None, **settings) -> MemoryTimeline:
+            nproc: int | None = None, fold: bool = True, **settings) -> MemoryTimeline:
     """The predicted memory timeline of every distinct rank of ``job`` (a JobConfig, or a model name /
     ModelConfig with ``parallel=``, ``train=`` or shortcuts like ``tp=2, micro_batch=4``).
 
@@ -77,8 +78,12 @@ def predict(job: JobConfig | str | ModelConfig | dict, *, device: str = "cpu", r
     By default the step is shortened to what reaches the same peak (``exact=False``): the fewest
     micro-batches whose schedule repeats from there on (:func:`workbench.prediction.fake.same_peak_job`),
     and for a job with micro-batches, one step with the optimizer state made before it instead of two.
-    ``exact=True`` runs every micro-batch of ``steps`` steps (default 2), the timeline to look at when
-    the whole schedule matters. ``workers``: processes sharing the distinct ranks (default: up to the
+    And a stage of more than 4 identical transformer blocks is simulated with 4 and folded out to all of
+    them (:mod:`workbench.prediction.fold`: the same events, event for event, at a fraction of the time;
+    ``meta["folded"]`` says which ranks were, and layouts it cannot fold exactly are simulated whole;
+    ``fold=False`` simulates every block).
+    ``exact=True`` runs every micro-batch of ``steps`` steps (default 2) and every block, the timeline to
+    look at when the whole schedule matters. ``workers``: processes sharing the distinct ranks (default: up to the
     CPUs this process may use, :func:`usable_cpus`, for models of a billion parameters or more, else 1;
     each worker is a process that imports torch, about 350 MB).
     """
@@ -96,22 +101,31 @@ def predict(job: JobConfig | str | ModelConfig | dict, *, device: str = "cpu", r
     t0 = time.perf_counter()
     if dist.is_initialized() or workers > 1:  # a real group here cannot coexist with the fake one
         parts = [reps[i::workers] for i in range(workers)]
-        timelines = _predict_in_subprocesses(job, device, parts, steps, exact)
+        timelines = _predict_in_subprocesses(job, device, parts, steps, exact, fold)
     else:
-        timelines = [_predict_rank(job, r, device, steps, exact) for r in _progress(reps, job, progress)]
+        timelines = [_predict_rank(job, r, device, steps, exact, fold) for r in _progress(reps, job, progress)]
     meta = {"rank_map": {str(k): int(v) for k, v in rank_map.items() if v in reps},
             "model": job.model.name, "layout": job.parallel.describe(), "world_size": job.parallel.world_size,
             "exact": exact, "prediction_s": round(time.perf_counter() - t0, 3),
             "job": {"model": job.model.to_dict(), "parallel": job.parallel.to_dict(), "train": job.train.to_dict()}}
     tl = MemoryTimeline.concat(timelines, source="predicted", device=device)
     tl.meta.update(meta)
+    folded = _folded(timelines)
+    if folded:
+        tl.meta["folded"] = folded
     tl.meta.pop("recording_overhead_s", None)
     return tl
 
 
-def _predict_rank(job: JobConfig, rank: int, device: str, steps: int | None, exact: bool) -> MemoryTimeline:
-    """One distinct rank: the recorder on top of the fake step (``workbench.prediction.fake``)."""
+def _predict_rank(job: JobConfig, rank: int, device: str, steps: int | None, exact: bool,
+                  fold: bool = True) -> MemoryTimeline:
+    """One distinct rank: the recorder on top of the fake step (``workbench.prediction.fake``). Unless
+    ``exact``, a stage of many identical blocks is simulated with 4 and folded out to all of them
+    (``workbench.prediction.fold``); where the fold's checks refuse, every block is simulated."""
     from workbench.prediction.fake import run_fake_steps
+    from workbench.prediction.fold import FoldError, fold_plan, fold_rows
+
+    plan = fold_plan(job, rank) if fold and not exact else None
 
     # Fake CUDA tensors need a CUDA build and a GPU (autograd's engine and FSDP2 set up streams even for
     # fake tensors). Without one, the step runs on fake CPU tensors and the blocks are counted as CUDA's
@@ -122,16 +136,29 @@ def _predict_rank(job: JobConfig, rank: int, device: str, steps: int | None, exa
     if steps is None:
         steps = min(2, job.train.steps) if exact or not accumulates else 1
     warm = not exact and accumulates and steps == 1
-    rec = MemoryRecorder(rank=rank, device=sim, clock="sequence", source="predicted", allocator=device)
-    run_fake_steps(job, rank, device=sim, steps=steps, mode_factory=lambda: rec,
+    rec = MemoryRecorder(rank=rank, device=sim, clock="sequence", source="predicted", allocator=device,
+                         blocks=plan is not None)
+    run_fake_steps(plan.job if plan else job, rank, device=sim, steps=steps, mode_factory=lambda: rec,
                    on_built=lambda model, opt: rec.track(model=model, optimizer=opt),
                    microbatches="all" if exact else "peak", warm_start=warm)
     meta: dict[str, Any] = {}
+    if plan is not None:
+        try:
+            folded = fold_rows(rec.events, rec.categories, rec.blocks, plan.simulated, plan.real, rec.round_bytes)
+        except FoldError:
+            return _predict_rank(job, rank, device, steps, exact, fold=False)
+        rec.set_events(folded.rows, folded.categories)
+        meta["folded"] = {str(rank): folded.info}
     if device == "cuda":
         workspaces = cublas_workspace_bytes()
         if rec.library_block(workspaces, "cuBLAS workspaces"):
             meta["library_bytes"] = {"cuBLAS workspaces": workspaces}
     return rec.timeline(steps=steps, simulated_on=sim, warm_start=warm, **meta)
+
+
+def _folded(timelines: list[MemoryTimeline]) -> dict[str, Any]:
+    """Every rank's fold (its simulated blocks, its events before and after), from each part's meta."""
+    return {r: info for t in timelines for r, info in (t.meta.get("folded") or {}).items()}
 
 
 def cublas_workspace_bytes(capability: tuple[int, int] | None = None) -> int:
@@ -155,7 +182,7 @@ def cublas_workspace_bytes(capability: tuple[int, int] | None = None) -> int:
 def _progress(reps: list[int], job: JobConfig, progress: bool):
     if not progress or len(reps) < 2:
         return reps
-    from tqdm.auto import tqdm
+    from workbench.progress import tqdm
 
     return tqdm(reps, desc=f"predict {job.model.name} [{job.parallel.describe()}]", unit="rank")
 
@@ -280,7 +307,7 @@ def fits(job: JobConfig | str | ModelConfig | dict, budget: int | float | str, *
 
 
 def _predict_in_subprocesses(job: JobConfig, device: str, parts: list[list[int]], steps: int | None,
-                             exact: bool) -> list[MemoryTimeline]:
+                             exact: bool, fold: bool = True) -> list[MemoryTimeline]:
     """Predict each part of the distinct ranks in its own process, all at once (fake steps are CPU-bound
     Python; a process with a real process group cannot hold a fake one either)."""
     with tempfile.TemporaryDirectory(prefix="workbench-predict-") as d:
@@ -293,7 +320,7 @@ def _predict_in_subprocesses(job: JobConfig, device: str, parts: list[list[int]]
             with open(ranks, "w") as f:
                 f.write(",".join(map(str, part)))
             cmd = [sys.executable, "-m", "workbench.prediction.memory", cfg, os.path.join(d, f"out{i}"), device,
-                   "" if steps is None else str(steps), "1" if exact else "0", ranks]
+                   "" if steps is None else str(steps), "1" if exact else "0", ranks, "1" if fold else "0"]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
         failures = []
@@ -307,12 +334,16 @@ def _predict_in_subprocesses(job: JobConfig, device: str, parts: list[list[int]]
 
 
 def _main(argv: list[str]) -> int:
-    cfg, out, device, steps, exact, ranks = argv
+    cfg, out, device, steps, exact, ranks, fold = argv
     job = JobConfig.load(cfg)
     with open(ranks) as f:
         ranks_list = [int(r) for r in f.read().split(",")]
-    timelines = [_predict_rank(job, r, device, int(steps) if steps else None, exact == "1") for r in ranks_list]
-    MemoryTimeline.concat(timelines, source="predicted", device=device).save(out)
+    timelines = [_predict_rank(job, r, device, int(steps) if steps else None, exact == "1", fold == "1")
+                 for r in ranks_list]
+    tl = MemoryTimeline.concat(timelines, source="predicted", device=device)
+    if _folded(timelines):
+        tl.meta["folded"] = _folded(timelines)
+    tl.save(out)
     return 0
 
 

@@ -449,7 +449,7 @@ def check(family: str | None = None, names: list[str] | None = None, *, cap: int
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         bar = None
         if progress:
-            from tqdm.auto import tqdm
+            from workbench.progress import tqdm
 
             bar = tqdm(total=total, desc=f"spmd check ({rules} rules)", unit="combo", leave=False)
         done = 0

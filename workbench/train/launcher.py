@@ -316,7 +316,16 @@ class Run(RendersInNotebook):
                 out["mfu"] = float(steady["mfu"].median())
             if "tflops" in steady:
                 out["tflops_per_rank"] = float(steady["tflops"].median())
-            out["peak_mem_bytes"] = int(df["mem_bytes"].max())  # CUDA: max_memory_allocated; CPU: resident set
+            # "peak" means what the run tab and the memory views call it: a recorded peak (memory events,
+            # the pipeline's probe, or CUDA's max_memory_allocated). On CPU a step's mem_bytes is the
+            # process's resident set: reported as rss_bytes, never as a peak (issue 28).
+            hist = self.memory_history()
+            on_cpu = job_device(self.job) == "cpu"
+            peaks = hist[hist["source"] != "mem_bytes"] if on_cpu else hist
+            if len(peaks) and peaks["peak_bytes"].notna().any():
+                out["peak_mem_bytes"] = int(peaks["peak_bytes"].max())
+            if on_cpu and df["mem_bytes"].notna().any():
+                out["rss_bytes"] = int(df["mem_bytes"].max())
         err = self.error
         if err is not None:
             out["error"] = {"rank": err.rank, "message": err.message,

@@ -7,9 +7,9 @@ A thin view over :mod:`workbench.checkpoint` (it holds no checkpoint logic)::
     +- summary: path, format, step, layout, bytes by kind ---------------------------------------+
     | [filter....] [kind v]   | Tensor | Diff | Load into layout | Verify                          |
     | model.layers.0  (9)     |  shard map: blocks of the global tensor coloured by writer rank   |
-    |   attention.wq.weight   |  [Load statistics] [ ] log10 |x|  -> min/max/mean/std + histogram  |
-    | optim.param_groups (1)  |                                                                   |
-    |   0  lr=0.001, ... (48) |  Diff: [path] [kind v] [x] values [Compare] -> changes per kind   |
+    |   attention.wq.weight   |  [Load statistics] [ ] log10 |x| [ ] log count                    |
+    | optim.param_groups (1)  |    -> min, max, mean |x|... (the Lab tab's labels) + histogram    |
+    |   0  lr=0.001, ... (48) |  Diff: [path] [kind v] [x] values [Compare] -> verdict + changes  |
 
 The key tree takes the room it is given (it grows with the tab; names are not cut at a fixed width).
 Optimizer hyper-parameters are one entry per param group (:mod:`workbench.checkpoint.param_groups`),
@@ -35,6 +35,7 @@ import plotly.graph_objects as go
 
 from workbench.checkpoint.diff import CheckpointDiff, diff
 from workbench.checkpoint.formats import open_source
+from workbench.checkpoint.labels import format_number, label
 from workbench.checkpoint.contents import inspect
 from workbench.checkpoint.manifest import KINDS, CheckpointManifest
 from workbench.checkpoint.param_groups import (ParamGroup, describe_groups, format_value, listing, matches,
@@ -48,6 +49,8 @@ from workbench.kinds import KIND_COLORS, checkpoint_kind
 from workbench.units import format_bytes
 from workbench.widgets.controls import read_controls, setting_controls, write_controls
 from workbench.widgets.plots import RUN_COLORS
+from workbench.widgets.plotly_view import PlotView
+from workbench.widgets.static import view_bundle
 
 __all__ = ["CheckpointBrowser", "group_of", "plot_shard_map"]
 
@@ -106,7 +109,7 @@ def plot_shard_map(row: dict[str, Any], fig: go.Figure | None = None) -> go.Figu
         seen.add(name)
     title = f"{row['key']}  {row['dtype']}{shape}  ({len(row['shards'])} shard(s))"
     extra = f" - dims 0, 1 of {len(shape)}" if len(shape) > 2 else ""
-    with fig.batch_update() if isinstance(fig, go.FigureWidget) else nullcontext():
+    with fig.batch_update() if isinstance(fig, PlotView) else nullcontext():
         fig.data = []
         fig.add_traces(traces)
         fig.update_layout(title={"text": title + extra, "font": {"size": 12}},
@@ -119,6 +122,9 @@ def plot_shard_map(row: dict[str, Any], fig: go.Figure | None = None) -> go.Figu
 
 class CheckpointBrowser(widgets.VBox):
     """Browse ``src`` (a path or a :class:`CheckpointManifest`): keys, shard map, stats, diff, load dry run."""
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        return view_bundle(self, **kwargs)
 
     def __init__(self, src: "str | Path | CheckpointManifest", *, max_listed: int = 2000):
         self.manifest = src if isinstance(src, CheckpointManifest) else inspect(src)
@@ -147,17 +153,22 @@ class CheckpointBrowser(widgets.VBox):
 
         # ---- tensor panel ----------------------------------------------------------------------------
         self.info = widgets.HTML()
-        self.shard_figure = go.FigureWidget(layout={"height": 320, "width": 560, "legend": {"orientation": "h"}})
+        self.shard_figure = PlotView(layout={"height": 320, "width": 560, "legend": {"orientation": "h"}})
         self.stats_button = widgets.Button(description="Load statistics", icon="bar-chart",
                                            tooltip="read this tensor only and compute its statistics")
         self.stats_button.on_click(lambda _: self.load_stats())
         self.stats_log = widgets.Checkbox(value=False, description="log10 |x|", indent=False,
                                           tooltip="histogram of log10 |x| (zeros left out): values spanning decades")
         self.stats_log.observe(self._on_log, "value")
+        # the count axis on a log scale: a few bins holding most values no longer flatten the rest
+        self.stats_log_count = widgets.Checkbox(value=False, description="log count", indent=False,
+                                                tooltip="histogram counts on a log scale")
+        self.stats_log_count.observe(lambda _: self._count_axis(), "value")
         self.stats_html = widgets.HTML()
-        self.histogram = go.FigureWidget(layout={"height": 220, "width": 560, "margin": {"l": 40, "r": 10, "t": 30, "b": 30},
+        self.histogram = PlotView(layout={"height": 220, "width": 560, "margin": {"l": 40, "r": 10, "t": 30, "b": 30},
                                                  "title": {"text": "histogram (load statistics)", "font": {"size": 12}}})
-        tensor_panel = widgets.VBox([self.info, self.shard_figure, widgets.HBox([self.stats_button, self.stats_log]),
+        tensor_panel = widgets.VBox([self.info, self.shard_figure,
+                                     widgets.HBox([self.stats_button, self.stats_log, self.stats_log_count]),
                                      self.stats_html, self.histogram])
 
         # ---- diff panel ------------------------------------------------------------------------------
@@ -168,7 +179,7 @@ class CheckpointBrowser(widgets.VBox):
         self.diff_button = widgets.Button(description="Compare", icon="exchange")
         self.diff_button.on_click(lambda _: self.run_diff(self.diff_path.value))
         self.diff_html = widgets.HTML()
-        self.diff_figure = go.FigureWidget(layout={"height": 320, "width": 560, "margin": {"l": 40, "r": 10, "t": 30, "b": 30},
+        self.diff_figure = PlotView(layout={"height": 320, "width": 560, "margin": {"l": 40, "r": 10, "t": 30, "b": 30},
                                                    "title": {"text": "largest value changes per tensor kind",
                                                              "font": {"size": 12}},
                                                    "xaxis": {"type": "log", "title": "||b - a|| / ||a||"},
@@ -369,9 +380,10 @@ class CheckpointBrowser(widgets.VBox):
             raise
         hist = stats.pop("histogram")
         self.stats = stats
+        # the Lab tab's words and digits (workbench.checkpoint.labels): mean |x|, not abs_mean; 1.235e-04
         self.stats_html.value = ("<table>" + "".join(
-            f"<tr><td>{k}</td><td style='text-align:right'>{v:.6g}</td></tr>" if isinstance(v, float)
-            else f"<tr><td>{k}</td><td style='text-align:right'>{v}</td></tr>"
+            f"<tr><td>{html.escape(label(k))}</td><td style='text-align:right; white-space:nowrap'>"
+            f"{html.escape(format_number(v))}</td></tr>"
             for k, v in stats.items() if k != "key") + "</table>")
         log_scale = hist["scale"] != "linear"
         with self.histogram.batch_update():
@@ -382,7 +394,13 @@ class CheckpointBrowser(widgets.VBox):
             left_out = f", {hist['excluded']:,} zeros left out" if log_scale and hist["excluded"] else ""
             self.histogram.layout.title.text = f"{self.selected} ({stats['numel']:,} values{left_out})"
             self.histogram.layout.xaxis.title.text = "log10 |x|" if log_scale else "x"
+            self._count_axis()
         return stats
+
+    def _count_axis(self) -> None:
+        log = self.stats_log_count.value
+        self.histogram.update_layout(yaxis={"type": "log" if log else "linear",
+                                            "title": {"text": "count (log)" if log else "count"}})
 
     def _on_log(self, change) -> None:
         if self.stats is not None and self.selected is not None and not getattr(self, "_quiet_log", False):

@@ -10,6 +10,15 @@ redraws::
     dash.launch()            # what the Launch button does; returns the Run
     dash.wait()              # block until the run ends, still updating (for headless notebooks)
 
+The page gets at most one update per ``poll_s`` (0.25 s: four a second), whatever the step rate: each takes
+every event written since the last one, and sends nothing where nothing changed. The status line and bar
+follow every update; the figures, which cost a browser far more to draw, are redrawn (each in one batch) at
+the page's own pace (:class:`~workbench.widgets.page_pace.PagePace`). That thread is the only one that
+draws. A fast run used to be redrawn up to ten times a second, by that thread and by ``wait()`` both, faster
+than the page could draw, until it fell a minute behind and its websocket timed out (issue 28). ``wait()``
+in a notebook cell keeps the widgets answering (:class:`~workbench.widgets.comm_pump.CommPump`): a click on
+Stop acts at once, even under Run All, where the next cells queue behind the waiting one.
+
 Earlier runs stay in the plots, so layouts can be compared on one chart until "Clear" is pressed.
 Every metric of the step events gets a figure (``STEP_METRICS``): loss and step time per rank; tokens/s,
 gradient norm and learning rate, which every rank reports alike, once per run (rank 0's, "global").
@@ -33,61 +42,44 @@ from its ``eval`` events::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import html
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ipywidgets as widgets
 import pandas as pd
-import plotly.graph_objects as go
 
 from workbench.config import PRESETS, JobConfig, ParallelConfig, TrainConfig
 from workbench.settings import split_settings
 from workbench.train.launcher import Run, build_job, launch, memory_shortfall
+from workbench.widgets.comm_pump import CommPump
 from workbench.widgets.controls import read_controls, setting_controls
+from workbench.widgets.page_pace import PagePace
+from workbench.widgets.dashboard_model import MEMORY_TITLES, SMOOTHED, STEP_METRICS, X_AXES, _RunView
 from workbench.parallel.pipeline_bubble import pipeline_steps
 from workbench.widgets.plots import (RANK_DASHES, RUN_COLORS, ema, export_pipeline_trace, plot_pipeline_timeline,
                                      plot_tokens_per_expert, run_label)
+from workbench.widgets.plotly_view import PlotView
+from workbench.widgets.static import view_bundle
 
 # The training settings the dashboard shows controls for (every ParallelConfig setting gets one).
 TRAIN_CONTROLS = ("data", "steps", "global_batch", "seed", "device")
-# What the memory plot shows, by where Run.memory_history found it.
-MEMORY_TITLES = {
-    "memory": "Memory per step: each rank's peak within the step",
-    "peak_mem_bytes": "Memory per step: each rank's peak tensor bytes",
-    "mem_bytes": "Memory per step: mem_bytes (memory=True records the peak within each step)",
-}
-
-
-@dataclass(frozen=True)
-class StepMetric:
-    """One figure: a field of the step events (a column of ``Run.history()``), by step or wall-clock time."""
-
-    column: str
-    title: str
-    ytitle: str  # says the unit, and whether the number is each rank's or the whole job's
-    per_rank: bool  # False: every rank reports the same number; drawn once per run, from rank 0
-    smooth: bool  # a noisy measurement: the smoothing control draws its EMA
-    log: bool  # the log-scale control applies
-
-
-STEP_METRICS = (
-    StepMetric("loss", "Loss per step", "loss", per_rank=True, smooth=True, log=True),
-    StepMetric("tokens_per_s", "Throughput per step (whole job)", "tokens/s (global)",
-               per_rank=False, smooth=True, log=False),
-    StepMetric("grad_norm", "Gradient norm per step (before clipping)", "grad L2 norm (global)",
-               per_rank=False, smooth=True, log=True),
-    StepMetric("lr", "Learning rate per step", "learning rate (global)", per_rank=False, smooth=False, log=False),
-    StepMetric("step_time_s", "Step time", "seconds per step (per rank)", per_rank=True, smooth=True, log=True),
-)
-SMOOTHED = frozenset(m.column for m in STEP_METRICS if m.smooth)
-X_AXES = {"step": "step", "time": "seconds since the run started (wall clock)"}
 PLOT_PX, LEGEND_ROW_PX = 280, 16  # a metric figure's plot area, and what each legend entry adds above it
+WAIT_TICK_S = 0.05  # how often wait() looks at the run and the page's messages: a click acts within it
+STOP_DRAWN_S = 5.0  # stop() returns once the end is drawn, or after this long if the follow thread lags
+PAGE_WAIT_S = 2.0  # the longest the follow thread waits for the page to draw a redraw (then: no page)
+MARKERS_UP_TO = 60  # points per line drawn with markers
+
+
+def _points_mode(n: int) -> str:
+    """A marker per point while a line is short; past that, the line alone: a browser draws each marker as
+    an element of its own, and 300 steps of markers make each redraw of the figures 2.5x slower."""
+    return "lines+markers" if n <= MARKERS_UP_TO else "lines"
 
 
 def _human(n: int) -> str:
@@ -113,36 +105,6 @@ TASKS = {"lm": "language model", "embedding": "embedding (contrastive)"}
 EMBEDDING_DEFAULTS = {"global_batch": 32, "lr": 1e-3, "warmup_steps": 20}
 
 
-@dataclass
-class _RunView:
-    """What the dashboard draws for one run: the Run's history as last drawn, and the plot traces.
-
-    Every fact comes from the :class:`Run` (``history()``, ``status``, ``root_cause()``); the view keeps
-    only how many of its events it has drawn (``seen``), when its first event was written (``t0``, the
-    wall-clock axis's zero) and what is on screen.
-    """
-
-    run: Run
-    label: str
-    color: str
-    steps: int
-    seen: int = 0  # events of the run already drawn
-    history: dict[int, Any] = field(default_factory=dict)  # run.history() when last drawn
-    t0: float | None = None  # the `time` of the run's first event
-    shown: bool = True  # False once "Clear" removed it from the plots
-    traces: dict[tuple[str, int], Any] = field(default_factory=dict)  # (field or "memory", rank) -> raw line
-    smoothed: dict[tuple[str, int], Any] = field(default_factory=dict)  # its EMA, while smoothing is on
-    eval_events: list[dict] = field(default_factory=list)  # embedding runs: rank 0's `eval` events
-    eval_trace: Any = None
-    pipeline_events: list[dict] = field(default_factory=list)  # `pipeline` + `schedule`, for the timeline
-    moe_events: list[dict] = field(default_factory=list)  # `moe` + `step` (its aux_loss)
-    timeline_step: Any = None  # (picked, step shown, steps complete) as last drawn
-    moe_step: int | None = None
-    launched_at: float = field(default_factory=time.time)
-    finished: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
-
-
 class RunDashboard:
     """Launch and watch training runs from a notebook. Evaluate the object to show it.
 
@@ -151,7 +113,8 @@ class RunDashboard:
     (``nproc`` defaults to the product of the degrees). There is a control for every ParallelConfig
     setting and for the training settings in ``TRAIN_CONTROLS``; other training settings given here are
     passed to every launch as they are. Each run gets a fresh directory under ``out_root`` (a temporary
-    directory when None). ``poll_s`` is how often the view reads new events.
+    directory when None). ``poll_s`` is how often the view reads new events and redraws what they changed:
+    at most ``1 / poll_s`` redraws a second, however fast the run writes.
     """
 
     def __init__(
@@ -162,7 +125,7 @@ class RunDashboard:
         parallel: ParallelConfig | None = None,
         train: TrainConfig | None = None,
         out_root: str | Path | None = None,
-        poll_s: float = 0.2,
+        poll_s: float = 0.25,
         task: str = "lm",
         embedding: Any = None,
         **settings: Any,
@@ -192,7 +155,9 @@ class RunDashboard:
         self.poll_s = poll_s
         self.runs: list[Run] = []
         self._views: list[_RunView] = []
-        self._lock = threading.RLock()  # the poller thread and wait() both pump; one at a time
+        # The follow thread draws; the kernel's thread changes the same widgets from the controls' callbacks
+        # (display controls, Clear, Launch): one at a time.
+        self._lock = threading.RLock()
 
         style = {"description_width": "initial"}
         self.layout_controls = setting_controls("parallel", layout)
@@ -217,11 +182,12 @@ class RunDashboard:
         self.clear_button = widgets.Button(description="Clear", icon="eraser",
                                            tooltip="remove earlier runs from the plots")
         self.launch_button.on_click(lambda _: self.launch())
-        self.stop_button.on_click(lambda _: self.stop())
+        self.stop_button.on_click(lambda _: self._stop_clicked())
         self.clear_button.on_click(lambda _: self.clear())
         self.progress = widgets.IntProgress(value=0, min=0, max=c["steps"].value, description="rank 0",
                                             style=style, layout=widgets.Layout(width="320px"))
         self.status = widgets.HTML("idle")
+        self.page_pace = PagePace()  # shows nothing: the page says when it has drawn a redraw (_follow)
         self.error_panel = widgets.HTML("", layout=widgets.Layout(display="none", width="100%"))
         self.metric_figs = {m.column: self._figure(m.title, m.ytitle) for m in STEP_METRICS}
         self.loss_fig, self.tps_fig = self.metric_figs["loss"], self.metric_figs["tokens_per_s"]
@@ -247,7 +213,7 @@ class RunDashboard:
             control.observe(self._apply_display, names="value")
         # Shown only for the runs that write their events: pipeline (pp > 1) and mixture-of-experts runs.
         self.bubble_label = widgets.HTML("")
-        self.timeline_fig = go.FigureWidget(layout={"height": 260, "width": 1040, "title": "Pipeline timeline"})
+        self.timeline_fig = PlotView(layout={"height": 260, "width": 1040, "title": "Pipeline timeline"})
         self.trace_button = widgets.Button(description="Export trace", icon="download",
                                            tooltip="write the pipeline schedule as a Chrome/Perfetto trace "
                                                    "(pipeline_trace.json in the run directory)")
@@ -261,14 +227,15 @@ class RunDashboard:
         self.timeline_box = widgets.VBox([self.bubble_label, self.timeline_fig,
                                           widgets.HBox([self.timeline_step, self.trace_button, self.trace_status])],
                                          layout=widgets.Layout(display="none"))
-        self.experts_fig = go.FigureWidget(layout={"height": 340, "width": 520, "title": "Tokens per expert"})
+        self.experts_fig = PlotView(layout={"height": 340, "width": 520, "title": "Tokens per expert"})
         self.experts_box = widgets.VBox([self.experts_fig], layout=widgets.Layout(display="none"))
 
         wrap = widgets.Layout(flex_flow="row wrap")
         self.widget = widgets.VBox([
             widgets.HBox([c["task"], c["preset"], *self.train_controls.values()], layout=wrap),
             widgets.HBox([c["nproc"], *self.layout_controls.values()], layout=wrap),
-            widgets.HBox([self.launch_button, self.stop_button, self.clear_button, self.progress, self.status]),
+            widgets.HBox([self.launch_button, self.stop_button, self.clear_button, self.progress, self.status,
+                          self.page_pace]),
             self.error_panel,
             widgets.HBox([self.smoothing, self.log_y, self.x_axis], layout=wrap),
             widgets.HBox([self.loss_fig, self.tps_fig, self.memory_fig, self.grad_norm_fig, self.lr_fig,
@@ -305,8 +272,8 @@ class RunDashboard:
 
     # -- what the view shows ----------------------------------------------------------------------
     @staticmethod
-    def _figure(title: str, ytitle: str) -> go.FigureWidget:
-        fig = go.FigureWidget(layout={
+    def _figure(title: str, ytitle: str) -> PlotView:
+        fig = PlotView(layout={
             # The title at the very top, then the legend (one run or rank per row), then the plot: the
             # legend pushes the plot down (_fit_legend) instead of running over the title or the x axis.
             "title": {"text": title, "yref": "container", "y": 0.99, "yanchor": "top", "x": 0.02, "xanchor": "left"},
@@ -319,16 +286,14 @@ class RunDashboard:
         return fig
 
     @staticmethod
-    def _fit_legend(fig: go.FigureWidget) -> None:
+    def _fit_legend(fig: PlotView) -> None:
         """Room above the plot for the title and one legend row per entry; the plot keeps its height."""
         rows = sum(1 for t in fig.data if t.showlegend is not False)
         top = 45 + LEGEND_ROW_PX * rows
         fig.layout.margin.t, fig.layout.height = top, PLOT_PX + top + 40
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
-        bundle = self.widget._repr_mimebundle_(**kwargs)
-        bundle["text/plain"] = repr(self)
-        return bundle
+        return view_bundle(self, **kwargs)
 
     def __repr__(self) -> str:
         state = self.run.status if self.run is not None else "idle"
@@ -408,19 +373,36 @@ class RunDashboard:
         return run
 
     def stop(self) -> Run | None:
-        """Stop the current run (every rank) and show it as stopped."""
+        """Stop the current run (every rank); returns once its ranks have exited and the end is drawn."""
         view = self._views[-1] if self._views else None
         if view is None or view.run.done:
             return self.run
-        self.stop_button.disabled = True
-        self.status.value = "stopping…"
+        self._show_stopping(view)
         view.run.stop()
-        self._pump(view)
+        view.wake.set()  # the follow thread draws the end now, not at its next poll
+        view.finished.wait(STOP_DRAWN_S)
         return view.run
+
+    def _stop_clicked(self) -> None:
+        """The Stop button: "stopping" at once, and the ranks stopped on a thread of their own, so the kernel
+        (or the wait() that handed it the click) goes on answering the page while torchrun shuts down."""
+        view = self._views[-1] if self._views else None
+        if view is None or view.run.done:
+            return
+        self._show_stopping(view)
+        threading.Thread(target=self.stop, daemon=True, name="RunDashboard-stop").start()
+
+    def _show_stopping(self, view: _RunView) -> None:
+        with self._lock:
+            view.stopping = True
+            self.stop_button.disabled = True
+            self.status.value = "stopping…"
 
     def wait(self, timeout: float | None = None, raise_on_error: bool = False) -> Run:
         """Block until the current run ends, updating the widgets meanwhile; returns the Run.
 
+        In a notebook cell the widgets go on answering: a click on Stop or a display control acts at once,
+        and the cells queued behind this one (Run All) run after it, in order.
         A failure is shown in the error panel; ``raise_on_error=True`` also raises :class:`RunFailed`.
         On timeout the run is stopped and TimeoutError is raised (as :meth:`Run.wait` does).
         """
@@ -430,14 +412,19 @@ class RunDashboard:
         view = self._views[-1]
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while True:
-                self._pump(view)
-                if view.finished.is_set():
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    self.stop()
-                    raise TimeoutError(f"run in {view.run.run_dir} did not finish within {timeout} s; it was stopped")
-                view.finished.wait(self.poll_s)
+            # The follow thread draws; this thread only waits. In a notebook cell it also hands the page's
+            # widget messages (a click on Stop) to the kernel meanwhile, which would otherwise hold them until
+            # the cell ends; in a script or an older ipykernel, CommPump.here() is None and this just waits.
+            with CommPump.here() or contextlib.nullcontext() as pump:
+                while not view.finished.is_set():
+                    if deadline is not None and time.monotonic() > deadline:
+                        self.stop()
+                        raise TimeoutError(f"run in {view.run.run_dir} did not finish within {timeout} s; "
+                                           "it was stopped")
+                    if pump is not None:
+                        pump.pump(WAIT_TICK_S)
+                    else:
+                        view.finished.wait(WAIT_TICK_S)
         except KeyboardInterrupt:
             self.stop()
             raise
@@ -469,61 +456,79 @@ class RunDashboard:
 
     # -- following a run --------------------------------------------------------------------------
     def _follow(self, view: _RunView) -> None:
+        """The one thread that draws a run: every ``poll_s`` (at once when Stop wakes it) it takes the events
+        written since its last look and shows what they changed: at most ``1 / poll_s`` updates a second
+        reach the page, however fast the run writes; its end is drawn as soon as the process has exited."""
         reported = False
         while not view.finished.is_set():
+            view.wake.clear()  # a wake during this redraw makes the next one come at once
             try:
-                self._pump(view)
+                # The status line follows every poll; the figures, which cost a browser far more to draw, go
+                # at the page's pace: once it has drawn the last ones and had as long again to itself (for
+                # a click on Stop). Without a page, or with a fast one, poll_s sets the pace of both.
+                if self._pump(view, figures=self.page_pace.ready(PAGE_WAIT_S)):
+                    self.page_pace.sent()
             except Exception as exc:  # a view bug must not pass silently, nor kill the run
                 if not reported:
                     self.status.value = f"dashboard update failed: {html.escape(repr(exc))}"
                     reported = True
                 if view.run.done:  # nothing more will come; don't spin forever
                     view.finished.set()
-            view.finished.wait(self.poll_s)
+            if not view.run.done:  # once it is, the next look drains it and draws the end, at once
+                view.wake.wait(self.poll_s)
 
-    def _pump(self, view: _RunView) -> None:
-        """Read the events written since the last call and redraw. Safe to call from any thread."""
+    def _pump(self, view: _RunView, figures: bool = True) -> bool:
+        """Read the events written since the last call and show them (the follow thread's): the progress
+        bar and status always, the figures only if ``figures`` (or the run is over); until then what the
+        events touched waits in ``view.pending_*``. True if figures were redrawn."""
         with self._lock:
             if view.finished.is_set():
-                return
+                return False
             done = view.run.done  # checked before reading, so a finished run's last events are drained
             events = view.run.events_since(view.seen)
             view.seen += len(events)
             if view.t0 is None and events:
                 view.t0 = events[0].get("time")
-            touched: set[int] = set()
-            memory_touched: set[int] = set()
-            new_kinds: set[str] = set()
             for e in events:
                 kind, rank = e.get("type"), e.get("rank")
                 if kind == "step":
-                    touched.add(rank)
+                    view.pending_steps.add(rank)
                 if kind in ("step", "memory"):
-                    memory_touched.add(rank)
+                    view.pending_memory.add(rank)
                 if kind in ("pipeline", "schedule"):
                     view.pipeline_events.append(e)
-                    new_kinds.add("schedule")
+                    view.pending_kinds.add("schedule")
                 elif kind == "moe" or (kind == "step" and "aux_loss" in e):
                     view.moe_events.append(e)
-                    new_kinds.add("moe")
+                    view.pending_kinds.add("moe")
                 elif kind == "eval" and rank == 0:
                     view.eval_events.append(e)
-                    new_kinds.add("eval")
-            if touched:
-                view.history = view.run.history()
-                self._redraw(view, touched)
-            if memory_touched:
-                self._redraw_memory(view, memory_touched)
-            if view is self._views[-1] and "schedule" in new_kinds:
-                self._redraw_timeline(view)
-            if view is self._views[-1] and "moe" in new_kinds:
-                self._redraw_experts(view)
-            if "eval" in new_kinds:
-                self._redraw_accuracy(view)
+                    view.pending_kinds.add("eval")
+            if view.pending_steps:
+                view.history = view.run.history()  # what the status line and the figures read
+            drew = (figures or done) and bool(view.pending_steps or view.pending_memory or view.pending_kinds)
+            if drew:
+                self._redraw_pending(view)
             if view is self._views[-1]:
                 self._show_progress(view)
             if done:
                 self._finish(view)
+            return drew
+
+    def _redraw_pending(self, view: _RunView) -> None:
+        """Redraw the figures that the events read since their last redraw touched (``view.history`` is new)."""
+        touched, memory, kinds = view.pending_steps, view.pending_memory, view.pending_kinds
+        view.pending_steps, view.pending_memory, view.pending_kinds = set(), set(), set()
+        if touched:
+            self._redraw(view, touched)
+        if memory:
+            self._redraw_memory(view, memory)
+        if view is self._views[-1] and "schedule" in kinds:
+            self._redraw_timeline(view)
+        if view is self._views[-1] and "moe" in kinds:
+            self._redraw_experts(view)
+        if "eval" in kinds:
+            self._redraw_accuracy(view)
 
     # -- drawing a run's metrics ------------------------------------------------------------------
     def _x(self, view: _RunView, frame: Any) -> tuple:
@@ -534,7 +539,7 @@ class RunDashboard:
             return tuple((time_ - t0).tolist())
         return tuple(frame["step"].tolist())
 
-    def _line(self, view: _RunView, fig: go.FigureWidget, key: tuple[str, int], name: str,
+    def _line(self, view: _RunView, fig: PlotView, key: tuple[str, int], name: str,
               smoothed: bool = False, **kwargs: Any) -> Any:
         """The trace of ``key`` (its EMA if ``smoothed``) in ``fig``, added and styled the first time."""
         lines = view.smoothed if smoothed else view.traces
@@ -580,7 +585,7 @@ class RunDashboard:
                     name = f"{view.label} r{rank}" if metric.per_rank else view.label
                     x, y = self._x(view, h), h[metric.column].tolist()
                     raw = self._line(view, fig, key, name)
-                    raw.x, raw.y = x, tuple(y)
+                    raw.x, raw.y, raw.mode = x, tuple(y), _points_mode(len(y))
                     if weight > 0 and metric.smooth:
                         line = self._line(view, fig, key, name, smoothed=True)
                         line.x, line.y = x, tuple(ema(y, weight))
@@ -597,6 +602,7 @@ class RunDashboard:
                                    hovertemplate="step %{customdata}: %{y:.1f} MiB (%{text})<extra></extra>")
                 trace.x = self._x(view, h)
                 trace.y = tuple((h["peak_bytes"] / 2**20).tolist())
+                trace.mode = _points_mode(len(h))
                 trace.text = tuple(h["source"].tolist())
                 trace.customdata = tuple(h["step"].tolist())
             if view is self._views[-1]:
@@ -723,7 +729,8 @@ class RunDashboard:
         h = view.history.get(0)
         if h is not None and len(h):
             self.progress.value = min(int(h["step"].iloc[-1]) + 1, view.steps)
-        self.status.value = self._progress_text(view)
+        text = self._progress_text(view)
+        self.status.value = f"stopping… · {text}" if view.stopping else text
 
     def _finish(self, view: _RunView) -> None:
         run = view.run

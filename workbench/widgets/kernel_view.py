@@ -4,7 +4,7 @@ Thin: every number comes from the core object (``KernelBench.plot``, ``.where``,
 the views only pick what to draw::
 
     KernelBenchView(bench())        # op, dtype and metric dropdowns; one line per implementation; the table
-    KernelCheckView(check())        # pass/fail per case, dtype and size; filter by op or status
+    KernelCheckView(check())        # headline, a row per kernel, failing rows; the rest folded
 
 Evaluating a ``KernelBench`` or ``KernelCheck`` in a notebook shows these (``workbench.display``).
 """
@@ -15,9 +15,12 @@ import html
 from typing import Any
 
 import ipywidgets as widgets
-from plotly.graph_objs import FigureWidget
+import pandas as pd
 
 from workbench.kernels.bench import METRICS, KernelBench, KernelCheck
+from workbench.kernels.check import _html_table
+from workbench.widgets.plotly_view import PlotView
+from workbench.widgets.static import view_bundle
 
 # One colour per implementation in every kernel plot; copy_ is the bandwidth ceiling, drawn dashed.
 IMPL_STYLE = {"ours": {"color": "#d62728"}, "torch eager": {"color": "#1f77b4"},
@@ -53,7 +56,7 @@ class KernelBenchView:
                                        description="metric", style=style),
         }
         self.header = widgets.HTML(f"<b>{html.escape(repr(result))}</b><br><i>{html.escape(result.note)}</i>")
-        self.fig = FigureWidget(layout={
+        self.fig = PlotView(layout={
             "height": 420, "width": 900, "margin": {"l": 70, "r": 20, "t": 50, "b": 50}, "plot_bgcolor": "white",
             "xaxis": {"type": "log", "title": "size (elements, or rows)", "gridcolor": "#eeeeee"},
             "yaxis": {"gridcolor": "#eeeeee", "rangemode": "tozero"}, "hovermode": "x unified"})
@@ -74,9 +77,7 @@ class KernelBenchView:
         return list(dict.fromkeys(self.result.where(case).rows["dtype"]))
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
-        bundle = self.widget._repr_mimebundle_(**kwargs)
-        bundle["text/plain"] = repr(self)
-        return bundle
+        return view_bundle(self, **kwargs)
 
     def __repr__(self) -> str:
         return f"KernelBenchView({self._case}, {self._dtype}, {self._metric})"
@@ -122,7 +123,10 @@ class KernelBenchView:
 
 
 class KernelCheckView:
-    """A :class:`KernelCheck` as a table: pass/fail and max error per row, filtered by op and status."""
+    """A :class:`KernelCheck`, summary first: the headline once, one row per kernel (op: rows passed,
+    failed and skipped, the largest error; failing kernels first), the failing rows open, and folded
+    below them the same per case, the skipped rows and the passing rows. Each table scrolls inside a
+    bounded height, so 300 passing rows cost one line. Filter by op, or show only one status."""
 
     def __init__(self, result: KernelCheck, *, op: str | None = None, status: str | None = None):
         self.result = result
@@ -130,28 +134,76 @@ class KernelCheckView:
         color = "#1a7f37" if result.ok else "#cf222e"
         self.header = widgets.HTML(f"<b style='color:{color}'>{html.escape(result.headline())}</b>")
         self.controls = {
-            "op": widgets.Dropdown(options=[("all ops", None)] + [(o, o) for o in ops], value=op, description="op"),
-            "status": widgets.ToggleButtons(options=[("all", None), ("failures", "fail"), ("skipped", "skip")],
-                                            value=status, style={"button_width": "90px"}),
+            # "" for all: a None value shows as no choice at all (a blank dropdown, no button pressed)
+            "op": widgets.Dropdown(options=[("all ops", "")] + [(o, o) for o in ops], value=op or "", description="op"),
+            "status": widgets.ToggleButtons(options=[("all", ""), ("failures", "fail"), ("skipped", "skip")],
+                                            value=status or "", style={"button_width": "90px"}),
         }
+        self.summary = widgets.HTML("")
         self.table = widgets.HTML("")
         for name in ("op", "status"):
             self.controls[name].observe(lambda ch: self._draw(), "value")
-        self.widget = widgets.VBox([self.header, widgets.HBox(list(self.controls.values())), self.table])
+        self.widget = widgets.VBox([self.header, widgets.HBox(list(self.controls.values()),
+                                                              layout=widgets.Layout(flex_flow="row wrap")),
+                                    self.summary, self.table])
         self._draw()
 
     def select(self, op: str | None = None, status: str | None = None) -> None:
-        self.controls["op"].value = op
-        self.controls["status"].value = status  # each observer redraws
+        self.controls["op"].value = op or ""
+        self.controls["status"].value = status or ""  # each observer redraws
 
     def _draw(self) -> None:
-        shown = self.result.where(self.controls["status"].value, self.controls["op"].value)
-        self.table.value = shown._repr_html_() if len(shown.rows) else "<i>no rows</i>"
+        status = self.controls["status"].value or None
+        shown = self.result.where(None, self.controls["op"].value or None)
+        self.summary.value = _scrolling(_html_table(_per_kernel(shown), _KERNEL_COLUMNS, "per kernel"))
+        rows = {s: shown.where(s).rows for s in ("fail", "skip", "pass") if status in (None, s)}
+        sections = []
+        if len(rows.get("fail", ())):
+            sections.append(_section(rows["fail"], _ROW_COLUMNS, "failing row", opened=True))
+        if status is None:
+            sections.append(_section(_with_status(shown.by_case()), _CASE_COLUMNS, "case", opened=False))
+        for s, noun in (("skip", "skipped row"), ("pass", "passing row")):
+            if len(rows.get(s, ())):
+                sections.append(_section(rows[s], _ROW_COLUMNS, noun, opened=False))
+        self.table.value = "".join(sections) or "<i>no rows</i>"
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
-        bundle = self.widget._repr_mimebundle_(**kwargs)
-        bundle["text/plain"] = repr(self)
-        return bundle
+        return view_bundle(self, **kwargs)
 
     def __repr__(self) -> str:
         return f"KernelCheckView({self.result.headline()})"
+
+
+# The columns of each table, and the tallest a table may draw before it scrolls: the summary, the
+# failures and each folded section stay within a screen.
+_KERNEL_COLUMNS = ["op", "status", "cases", "rows", "passed", "failed", "skipped", "max_abs_err"]
+_CASE_COLUMNS = ["case", "status", "rows", "passed", "failed", "skipped", "max_abs_err", "vs_torch_err", "seconds"]
+_ROW_COLUMNS = ["case", "dtype", "size", "label", "status", "max_abs_err", "max_rel_err", "vs_torch_err", "seconds",
+                "note"]
+_MAX_HEIGHT_PX = 360
+
+
+def _scrolling(table: str) -> str:
+    return f"<div style='max-height:{_MAX_HEIGHT_PX}px;overflow-y:auto'>{table}</div>"
+
+
+def _with_status(frame: pd.DataFrame) -> pd.DataFrame:
+    """Counts per kernel or case, with a status to colour (fail: any row failed; skip: every row skipped),
+    failing ones first."""
+    frame = frame.assign(status=["fail" if f else "skip" if s == n else "pass"
+                                 for f, s, n in zip(frame["failed"], frame["skipped"], frame["rows"])])
+    return frame.sort_values("failed", ascending=False, kind="stable")
+
+
+def _per_kernel(check: KernelCheck) -> pd.DataFrame:
+    """One row per op, from the core's :meth:`KernelCheck.summary` of that op's rows."""
+    ops = dict.fromkeys(check.rows["op"])
+    return _with_status(pd.DataFrame([{"op": op, **check.where(op=op).summary()} for op in ops],
+                                     columns=["op", *_KERNEL_COLUMNS[2:]]))
+
+
+def _section(frame: pd.DataFrame, columns: list[str], noun: str, opened: bool) -> str:
+    """``frame``'s rows under a ``<details>`` line that counts them: open for failures, folded otherwise."""
+    n = len(frame)
+    return (f"<details{' open' if opened else ''}><summary>{n} {noun}{'s' if n != 1 else ''}</summary>"
+            f"{_scrolling(_html_table(frame, columns, ''))}</details>")

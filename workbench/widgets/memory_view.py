@@ -21,14 +21,16 @@ A thin view: every number comes from the timeline (``downsample``, ``phase_spans
 * **overlay**: another timeline's total as a dashed line, e.g. a prediction over a measurement. Rank r
   is compared with the overlay's rank that stands for it (its ``rank_map``, see
   :func:`workbench.memory.comparison.matching_rank`). A measurement counts time in seconds, a prediction in
-  event positions, so when the two sources differ (``x="auto"``) both are drawn on a *step clock*
-  (:meth:`MemoryTimeline.step_progress`): step s runs from x = s to x = s + 1 on each, whatever its
-  own duration, and the shapes line up phase against phase. Zoomed to a step the prediction does not
-  have, its last (steady-state) step is drawn there instead.
+  event positions, so when the two sources differ (``x="auto"``) they are drawn on the timeline's *step
+  clock* (:meth:`MemoryTimeline.step_progress`: step s runs from x = s to x = s + 1), the overlay aligned
+  by phase (:func:`workbench.memory.clock.phase_clock`): each of its (step, microbatch, phase) spans is
+  stretched onto the same span of the timeline, so its forward lies over the forward band, its backward
+  over the backward band, and its peak in the phase where it happened. Zoomed to a step the prediction
+  does not have, its last (steady-state) step is aligned with the shown one.
 
 10^6 events stay quick: at most ``max_points`` points per trace (the core keeps each bin's largest
 total, so the peak is never smoothed away) and at most ``max_bands`` bands (the core joins spans).
-Everything renders offline: the FigureWidget's JavaScript ships with the plotly package, and
+Everything renders offline: the PlotView's JavaScript ships with the plotly package, and
 :meth:`to_html` inlines plotly.js (``include_plotlyjs=True``), never a CDN.
 """
 
@@ -43,23 +45,22 @@ import ipywidgets as widgets
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.graph_objs import FigureWidget
 from plotly.subplots import make_subplots
 
-from workbench.kinds import KIND_COLORS
+from workbench import palette
+from workbench.memory.clock import PhaseClock, phase_clock
 from workbench.memory.comparison import MemoryComparison, matching_rank, matching_step
 from workbench.memory.timeline import CATEGORIES, PHASES, MemoryTimeline, Peak
 from workbench.units import axis_unit, format_bytes
+from workbench.widgets.plotly_view import PlotView
+from workbench.widgets.static import view_bundle
 
-# One colour per category, in every memory plot; the state a sharding plan also shows keeps its colour.
-CATEGORY_COLORS = {"parameter": KIND_COLORS["parameter"], "gradient": KIND_COLORS["gradient"],
-                   "optimizer": KIND_COLORS["optimizer"], "activation": "#d62728", "temporary": "#e377c2",
-                   "communication": "#17becf", "checkpoint": "#bcbd22", "other": "#7f7f7f"}
-PHASE_COLORS = {"build": "#9e9e9e", "forward": "#6baed6", "backward": "#fd8d3c", "optimizer": "#74c476",
-                "checkpoint": "#c7b42c", "other": "#d9d9d9"}
-BAND_OPACITY = (0.22, 0.12)  # even / odd microbatch, so neighbouring microbatches of one phase stay apart
-OVERLAY_COLOR = "#000000"
-TOTAL_COLOR = "#333333"
+# The core palette (workbench.palette): the JupyterLab memory tab draws with the same colours.
+CATEGORY_COLORS = {c: palette.CATEGORY_COLORS[c] for c in CATEGORIES}
+PHASE_COLORS = dict(palette.PHASE_COLORS)
+BAND_OPACITY = palette.BAND_OPACITY  # even / odd microbatch, so neighbouring microbatches of one phase stay apart
+OVERLAY_COLOR = palette.OVERLAY_COLOR
+TOTAL_COLOR = palette.TOTAL_COLOR
 TABLE_ROWS = 10
 assert set(CATEGORY_COLORS) == set(CATEGORIES) and set(PHASE_COLORS) == set(PHASES)
 
@@ -94,6 +95,7 @@ class MemoryTimelineView:
         self.max_points, self.max_bands = max_points, max_bands
         self.max_ranks, self.grid_points = max_ranks, grid_points
         self._peaks: dict[int, Peak] = {}
+        self._clocks: dict[tuple, PhaseClock] = {}
         self._busy = False  # set while the view sets its own controls, so observers don't redraw twice
         best = None
         if rank is None:
@@ -118,11 +120,11 @@ class MemoryTimelineView:
         }
         self.header = widgets.HTML(self._header_html(best))
         self.note = widgets.HTML("")
-        self.fig = FigureWidget(layout={
+        self.fig = PlotView(layout={
             "height": 480, "width": 1040, "margin": {"l": 70, "r": 20, "t": 50, "b": 50}, "hovermode": "x unified",
             "legend": {"font": {"size": 10}, "tracegroupgap": 12}, "plot_bgcolor": "white",
             "yaxis": {"gridcolor": "#eeeeee", "rangemode": "tozero"}, "xaxis": {"gridcolor": "#eeeeee"}})
-        self.grid_fig = FigureWidget()
+        self.grid_fig = PlotView()
         self.table = widgets.HTML("")
         self.rank_box = widgets.VBox([self.fig, self.table])
         self.grid_box = widgets.VBox([self.grid_fig])
@@ -137,9 +139,7 @@ class MemoryTimelineView:
 
     # -- notebook display ---------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
-        bundle = self.widget._repr_mimebundle_(**kwargs)
-        bundle["text/plain"] = repr(self)
-        return bundle
+        return view_bundle(self, **kwargs)
 
     def __repr__(self) -> str:
         at = "all steps" if self._step is None else f"step {self._step}"
@@ -237,10 +237,20 @@ class MemoryTimelineView:
             if step is None:
                 return None
         ds = self.overlay.downsample(rep, points, step=step)
-        x = self._xs(self.overlay, rep, ds["t"])
-        if step is not None and step != self._step:  # its steady-state step, drawn where the measured one is
-            x = x - step + self._step
+        if self.x == "step":  # phase against phase on this timeline's step clock (workbench.memory.clock)
+            x = self._overlay_clock(rank, rep, step)(ds["t"])
+        else:
+            x = self._xs(self.overlay, rep, ds["t"])
         return x, ds["total_bytes"].to_numpy(), rep
+
+    def _overlay_clock(self, rank: int, rep: int, step: int | None):
+        """The overlay's rank ``rep`` on rank ``rank``'s step clock, aligned by phase; zoomed to a step the
+        overlay lacks, its steady-state ``step`` is aligned with the shown one."""
+        step_map = {step: self._step} if step is not None and step != self._step else None
+        key = (rank, rep, step if step_map else None)
+        if key not in self._clocks:
+            self._clocks[key] = phase_clock(self.timeline, rank, self.overlay, rep, step_map=step_map)
+        return self._clocks[key]
 
     def _draw_rank(self) -> None:
         tl, rank, step = self.timeline, self._rank, self._step
@@ -373,7 +383,8 @@ class MemoryTimelineView:
     # -- text ---------------------------------------------------------------------------------------
     def _x_title(self, tl: MemoryTimeline) -> str:
         if self.x == "step":
-            return "step (each step from its first event to the next step's)"
+            return ("step (each step from its first event to the next step's"
+                    + ("; the dashed line aligned phase by phase)" if self.overlay is not None else ")"))
         return "seconds since recording began" if tl.source != "predicted" else "event position (simulated clock)"
 
     def _header_html(self, best: Peak | None) -> str:
@@ -384,7 +395,7 @@ class MemoryTimelineView:
             o = self.overlay
             over = (f"<br>dashed: <b>{html.escape(o.source)}</b> ({html.escape(o.device)}, ranks {o.ranks}"
                     f"{', rank_map' if o.meta.get('rank_map') else ''}); x axis: "
-                    f"{'step clock' if self.x == 'step' else 'time'}")
+                    f"{'step clock, the dashed line aligned by phase' if self.x == 'step' else 'time'}")
         model = " · ".join(html.escape(str(tl.meta[k])) for k in ("model", "layout") if k in tl.meta)
         return (f"<b>Memory timeline</b> ({html.escape(tl.source)}, {html.escape(tl.device)})"
                 f"{' · ' + model if model else ''} · {len(tl.ranks)} rank(s) · {len(tl):,} events · "
@@ -448,8 +459,10 @@ class MemoryComparisonView:
         peaks = comparison.peaks
         unit, scale = axis_unit(max(int(peaks["measured_peak"].max()), int(peaks["predicted_peak"].max())))
         ranks = [f"rank {r}" for r in peaks["rank"]]
-        errors = [f"{e:+.1%}" if math.isfinite(e) else "inf" for e in peaks["error"]]
-        self.peaks_fig = FigureWidget(layout={
+        # a size that agrees while the peaks fall in different phases may agree for different reasons: say so
+        errors = [(f"{e:+.1%}" if math.isfinite(e) else "inf") + ("" if same else " ⚠ other phase")
+                  for e, same in zip(peaks["error"], peaks["same_phase"])]
+        self.peaks_fig = PlotView(layout={
             "title": {"text": f"Peak per rank: measured vs {comparison.predicted.source}", "font": {"size": 14}},
             "barmode": "group", "height": 320, "width": 1040, "yaxis": {"title": unit},
             "margin": {"l": 60, "r": 20, "t": 50, "b": 40},
@@ -467,9 +480,7 @@ class MemoryComparisonView:
         self.widget = widgets.VBox([self.peaks_fig, self.timeline_view.widget, self.table])
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
-        bundle = self.widget._repr_mimebundle_(**kwargs)
-        bundle["text/plain"] = repr(self)
-        return bundle
+        return view_bundle(self, **kwargs)
 
     def __repr__(self) -> str:
         return f"MemoryComparisonView({self.comparison!r})"

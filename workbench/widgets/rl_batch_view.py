@@ -16,11 +16,15 @@ import html
 from typing import Any
 
 import ipywidgets as widgets
-from plotly.graph_objs import FigureWidget
 
 from workbench.rl.batch_plan import PPOBatchPlan, plan_ppo_batches
+from workbench.widgets.plotly_view import PlotView
+from workbench.widgets.static import view_bundle
 
 _MAX_EXPANDED = 8  # boxes drawn per level before the rest are folded into one
+# Each input's width: its label (at its natural width) and a field wide enough for its value.
+_INPUT_WIDTH_PX = {"prompts": 190, "n": 190, "mini_batch": 230, "micro_batch": 260, "world_size": 150, "dp": 110,
+                   "epochs": 160, "rollouts": 270, "group": 170}
 
 
 def hierarchy(plan: PPOBatchPlan) -> dict[str, list]:
@@ -67,7 +71,7 @@ class PPOBatchView:
     def __init__(self, plan: PPOBatchPlan, *, mini_batch: str | None = None, micro_batch: str | None = None,
                  rollouts: int | None = None):
         self.plan = plan
-        self.fig = FigureWidget(layout={"height": 360, "margin": {"l": 8, "r": 8, "t": 40, "b": 8}})
+        self.fig = PlotView(layout={"height": 360, "margin": {"l": 8, "r": 8, "t": 40, "b": 8}})
         self.fig.add_icicle(branchvalues="total", textinfo="label", **hierarchy(plan))
         self.message = widgets.HTML()
         self.table = widgets.HTML()
@@ -84,13 +88,16 @@ class PPOBatchView:
             "epochs": widgets.IntText(plan.ppo_epochs, description="PPO epochs", style=style),
             "rollouts": widgets.IntText(rollouts or plan.rollouts or 0, description="rollouts (0: no LR schedule)",
                                         style=style),
-            "group": widgets.Checkbox(plan.group_samples, description="whole prompt groups"),
+            "group": widgets.Checkbox(plan.group_samples, description="whole prompt groups", indent=False),
         }
-        for w in self.inputs.values():
+        for key, w in self.inputs.items():
+            w.layout.width = f"{_INPUT_WIDTH_PX[key]}px"
             w.observe(lambda _change: self.replan(), names="value")
+        # One wrapping row: at a notebook's ~900 px the inputs take two lines, never a scrollbar.
+        self.form = widgets.Box(list(self.inputs.values()), layout=widgets.Layout(flex_flow="row wrap", width="100%"))
+        self.form.add_class("wb-ppo-form")
         self._draw(plan)
-        self.widget = widgets.VBox([widgets.HBox(list(self.inputs.values())[:5]),
-                                    widgets.HBox(list(self.inputs.values())[5:]), self.message, self.fig, self.table])
+        self.widget = widgets.VBox([self.form, self.message, self.fig, self.table])
 
     def replan(self, **changes: Any) -> PPOBatchPlan | None:
         """Re-plan from the form (``changes`` set fields first, e.g. ``replan(mini_batch="96 samples")``);
@@ -122,9 +129,7 @@ class PPOBatchView:
         self.table.value = plan._repr_html_()
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
-        bundle = self.widget._repr_mimebundle_(**kwargs)
-        bundle["text/plain"] = repr(self)
-        return bundle
+        return view_bundle(self, **kwargs)
 
     def __repr__(self) -> str:
         p = self.plan

@@ -1,0 +1,112 @@
+"""Issue 28, finding 12: notebook 05's llama-70b prediction took 344 s; the fold makes it about 4x faster.
+
+A stage's identical transformer blocks are simulated as 4 and folded out to all of them
+(``workbench.prediction.fold``). The fold must not change a prediction: here, on small models in the
+layouts it folds (one process; FSDP2 x TP with bf16, activation checkpointing and accumulation; a
+1F1B pipeline of FSDP2 x TP x SP stages, both stages), the folded timeline is the one simulating every
+block, event for event (size, category, phase, step, micro-batch, module, operator, which allocation
+each free frees), so the peaks and what they hold are the same. Before the fold, ``predict`` had no
+``fold`` and simulated every block (no ``meta["folded"]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from workbench.config import PRESETS
+from workbench.memory import predict
+from workbench.memory.recorder import MemoryRecorder
+from workbench.prediction.fake import run_fake_steps
+from workbench.prediction.fold import FoldError, fold_plan, fold_rows
+from workbench.prediction.memory import _job
+
+TINY = PRESETS["tiny"]
+
+LAYOUTS = {
+    "one process": (7, dict(nproc=1, train=dict(global_batch=2, seq_len=24, steps=2))),
+    "fsdp x tp, bf16, ac, accumulation": (7, dict(nproc=4, dp_shard=2, tp=2, mixed_precision="bf16",
+                                                  activation_checkpointing="full",
+                                                  train=dict(global_batch=4, micro_batch=1, seq_len=24, steps=2))),
+    "1F1B of fsdp x tp x sp": (12, dict(nproc=8, pp=2, dp_shard=2, tp=2, sequence_parallel=True, pp_schedule="1F1B",
+                                        microbatches=4, mixed_precision="bf16", activation_checkpointing="full",
+                                        train=dict(global_batch=8, seq_len=32, steps=2))),
+}
+COLUMNS = ["delta_bytes", "total_bytes", "category", "phase", "step", "microbatch", "module", "op"]
+
+
+def _model(n_layers: int):
+    return dataclasses.replace(TINY, n_layers=n_layers)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_folded_prediction_is_the_full_one_event_for_event(layout):
+    n_layers, settings = LAYOUTS[layout]
+    folded = predict(_model(n_layers), progress=False, **settings)
+    full = predict(_model(n_layers), progress=False, fold=False, **settings)
+    assert "folded" not in full.meta and set(folded.meta["folded"]) == {str(r) for r in full.ranks}
+    for r in full.ranks:
+        info = folded.meta["folded"][str(r)]
+        assert info["simulated_layers"] == [4 * (info["simulated_layers"][0] // 4) + i for i in range(4)]
+        assert info["events_simulated"] < info["events"] == len(full.rank(r))
+        a, b = full.rank(r).frame, folded.rank(r).frame
+        for c in COLUMNS:
+            assert (a[c].astype(str).to_numpy() == b[c].astype(str).to_numpy()).all(), (layout, r, c)
+        # the same allocations: each free frees the allocation it freed in the full simulation
+        pairs = set(zip(a["id"].tolist(), b["id"].tolist()))
+        assert len(pairs) == len(set(a["id"])) == len(set(b["id"]))
+        assert full.peak(r) == folded.peak(r)
+
+
+def test_the_fold_refuses_blocks_that_do_not_repeat():
+    """Simulated with 3 blocks, an FSDP2 stage's middle block is not a middle one (FSDP2 gathers the block
+    below while one computes its backward, except below the first block): the checks refuse the fold,
+    which is why 4 are simulated, and where they refuse ``predict`` simulates every block."""
+    n_layers, settings = LAYOUTS["fsdp x tp, bf16, ac, accumulation"]
+    job = _job(_model(n_layers), **settings)
+    small = dataclasses.replace(job, model=_model(3))
+    rec = MemoryRecorder(rank=0, clock="sequence", source="predicted", blocks=True)
+    run_fake_steps(small, 0, steps=1, mode_factory=lambda: rec, microbatches="peak", warm_start=True,
+                   on_built=lambda model, opt: rec.track(model=model, optimizer=opt))
+    with pytest.raises(FoldError, match="no counterpart"):
+        fold_rows(rec.events, rec.categories, rec.blocks, [0, 1, 2], list(range(n_layers)), rec.round_bytes)
+
+
+def test_where_the_checks_refuse_every_block_is_simulated():
+    """FSDP2 that keeps its parameters gathered from forward to backward (zero=2) meets blocks two apart, which
+    the fold does not follow: it refuses, and the prediction is the full simulation's."""
+    settings = dict(nproc=2, dp_shard=2, zero=2, train=dict(global_batch=4, seq_len=24, steps=2))
+    tl = predict(_model(7), progress=False, **settings)
+    full = predict(_model(7), progress=False, fold=False, **settings)
+    assert "folded" not in tl.meta
+    assert tl.frame.drop(columns="id").equals(full.frame.drop(columns="id"))
+
+
+@pytest.mark.parametrize("settings", [
+    dict(model="tiny", nproc=2, dp_replicate=2, dp_shard=1),                  # DDP buckets cut across blocks
+    dict(model="tiny", nproc=2, dp_shard=2, zero=1),                          # so do ZeRO-1's partitions
+    dict(model="tiny-moe", nproc=2, dp_shard=2, ep=2),                        # a router is not a block's alone
+    dict(model="tiny", nproc=1, activation_checkpointing="selective", ac_every=2),  # blocks alternate
+    dict(model="tiny", nproc=2, pp=2, dp_shard=1, pp_schedule="Interleaved1F1B", microbatches=4),  # 2 stages a rank
+    dict(model="tiny", nproc=1, n_layers=4),                                  # nothing to fold
+])
+def test_layouts_the_fold_cannot_do_exactly_are_simulated_whole(settings):
+    settings = dict(settings)
+    model = settings.pop("model")
+    n_layers = settings.pop("n_layers", 12)
+    cfg = dataclasses.replace(PRESETS[model], n_layers=n_layers)
+    job = _job(cfg, train=dict(global_batch=4, seq_len=16), **settings)
+    assert fold_plan(job, 0) is None
+    assert fold_plan(_job(dataclasses.replace(TINY, n_layers=12), nproc=1, train=dict(global_batch=4, seq_len=16)),
+                     0) is not None
+
+
+def test_the_timeline_of_a_fold_names_every_layer():
+    n_layers, settings = LAYOUTS["one process"]
+    tl = predict(_model(n_layers), progress=False, **settings)
+    modules = set(tl.frame["module"].astype(str))
+    layers = {int(m.split("layers.")[1].split(".")[0]) for m in modules if "layers." in m}
+    assert layers == set(range(n_layers))
+    assert np.isfinite(tl.frame["t"]).all() and (np.diff(tl.frame["t"].to_numpy()) > 0).all()
