@@ -17,12 +17,9 @@ from tqdm.auto import tqdm as _auto
 
 __all__ = ["tqdm"]
 
-try:
-    from tqdm.notebook import tqdm as _notebook
-except ImportError:  # pragma: no cover - no ipywidgets: tqdm.auto is the text bar anyway
-    _notebook = None
-
-if _notebook is not None and issubclass(_auto, _notebook):
+# tqdm.auto picked its notebook bar only inside a kernel with ipywidgets; only then is there anything to
+# fix, and only then is tqdm.notebook (ipywidgets, IPython) imported: a script or a rank imports no view module.
+if any(c.__module__ == "tqdm.notebook" for c in _auto.__mro__):
 
     class tqdm(_auto):  # type: ignore[no-redef]  # noqa: N801 - tqdm's own name, a drop-in
         def __init__(self, *args: Any, **kwargs: Any):

@@ -44,16 +44,29 @@ def _code_cells(name: str) -> int:
     return sum(c["cell_type"] == "code" for c in json.loads((REPO / "notebooks" / name).read_text())["cells"])
 
 
-def _wait_ran(page, cells) -> None:
-    from playwright.sync_api import expect
+RUN_STATE = """() => {
+    const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+    const prompts = Array.from(panel.querySelectorAll('.jp-CodeCell .jp-InputPrompt')).map(p => p.textContent.trim());
+    const error = Array.from(panel.querySelectorAll('.jp-OutputArea-output')).find(o => /Traceback|Error:/.test(o.textContent)
+        && o.closest('.jp-OutputArea-child').querySelector('[data-mime-type="application/vnd.jupyter.stderr"]'));
+    return {done: prompts.length > 0 && prompts.every(p => /^\\[\\d+\\]/.test(p)), prompts,
+            error: error ? error.textContent.slice(0, 2000) : null};
+}"""
 
-    n = cells.count()
-    for k in range(n):
-        cell = cells.nth(k)
-        if "jp-CodeCell" in (cell.get_attribute("class") or ""):
-            expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=RUN_TIMEOUT_MS)
-    errors = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output", has_text="Traceback")
-    assert errors.count() == 0, f"a cell failed: {errors.first.inner_text()[:2000]}"
+
+def _wait_ran(page, cells) -> None:
+    """Every code cell has run (a number in its prompt); fails at once, with the traceback, when one fails
+    (Run All then stops, and the cells below would never get a number)."""
+    from helpers import wait_for
+
+    def state():
+        st = page.evaluate(RUN_STATE)
+        return st if st["done"] or st["error"] else None
+    try:
+        st = wait_for(state, timeout=RUN_TIMEOUT_MS / 1000)
+    except TimeoutError:
+        raise AssertionError(f"the cells did not all run: prompts {page.evaluate(RUN_STATE)['prompts']}") from None
+    assert not st["error"], f"a cell failed: {st['error']}"
 
 
 def _assert_plots(page, when: str) -> int:
