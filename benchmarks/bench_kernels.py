@@ -181,8 +181,8 @@ def cpu_document(args: argparse.Namespace, ops: list[str] | None, dtypes: list[s
             "note": f"{why}; no speed figures (Triton's interpreter times say nothing about speed). Run this "
                     "script on a GPU for them. Shown: the interpreter correctness summary.",
             "check": result.summary(),
-            "check_by_case": {r["case"]: {k: _finite(v) if isinstance(v, float) else int(v) for k, v in r.items()
-                                          if k != "case"} for r in result.by_case().to_dict(orient="records")},
+            "check_by_case": {r["case"]: {k: _finite(v) if isinstance(v, float) else v if isinstance(v, str) else int(v)
+                                          for k, v in r.items() if k != "case"} for r in result.by_case().to_dict(orient="records")},
             "failures": [{k: r[k] for k in ("case", "dtype", "size", "label", "note")}
                          for r in failures.to_dict(orient="records")],
             "targets": [{**t, "measured": None, "met": None, "why_none": "no GPU"} for t in TARGETS]}

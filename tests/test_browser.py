@@ -238,6 +238,20 @@ def start_files_lab(root: Path, base: Path):
         yield server
 
 
+@contextlib.contextmanager
+def lab_page(browser, server: LabServer, width: int = 1400, height: int = 900, query: str = "",
+             ready: str = ".jp-DirListing-item"):
+    """A fresh browser context on ``server``'s JupyterLab (``query``: e.g. ``reset&``), once ``ready`` shows."""
+    context = browser.new_context(viewport={"width": width, "height": height})
+    pg = context.new_page()
+    try:
+        pg.goto(f"{server.url}/lab?{query}token={server.token}", timeout=60_000)
+        pg.wait_for_selector(ready, timeout=60_000)
+        yield pg
+    finally:
+        context.close()
+
+
 def write_notebook(path: Path, cells: list[str]) -> None:
     """A notebook of code cells, no outputs, for the python3 kernel."""
     nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],

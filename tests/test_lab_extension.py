@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from test_checkpoint_tools import write_checkpoint
-from test_browser import browser, start_files_lab  # noqa: F401 (browser: a fixture)
+from test_browser import browser, lab_page, start_files_lab  # noqa: F401 (browser: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = [(1, 4.25), (2, 3.5), (3, 2.75)]
@@ -94,13 +94,8 @@ def lab_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page(lab_files, browser):
-    server, _ = lab_files
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    pg = context.new_page()
-    pg.goto(f"{server.url}/lab?token={server.token}", timeout=60_000)
-    pg.wait_for_selector(".jp-DirListing-item", timeout=60_000)
-    yield pg
-    context.close()
+    with lab_page(browser, lab_files[0]) as pg:
+        yield pg
 
 
 def _open(page, name: str):

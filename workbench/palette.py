@@ -13,6 +13,10 @@ next one without a legend. The JupyterLab extension gets this palette from the s
   total dashed over it (a prediction), and the peak marker. None of them is a category's colour, so the
   total never reads as one more category.
 
+Beside the colours, what both memory views write the same way (:func:`band_opacity`, :func:`peak_where`,
+:func:`memory_x_title`) and how much they show (:data:`MAX_BANDS`, :data:`TABLE_ROWS`), so the Lab tab and
+the notebook view cannot drift apart.
+
 This module imports nothing: the server extension, the core and the views all read it.
 """
 
@@ -21,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["CATEGORY_COLORS", "PHASE_COLORS", "KIND_COLORS", "BAND_OPACITY", "TOTAL_COLOR", "OVERLAY_COLOR",
-           "PEAK_COLOR", "palette"]
+           "PEAK_COLOR", "MAX_BANDS", "TABLE_ROWS", "palette", "band_opacity", "peak_where", "memory_x_title"]
 
 CATEGORY_COLORS = {
     "parameter": "#1f77b4", "gradient": "#ff7f0e", "optimizer": "#2ca02c", "activation": "#d62728",
@@ -38,6 +42,29 @@ PEAK_COLOR = "#000000"
 KIND_COLORS = {"parameter": CATEGORY_COLORS["parameter"], "gradient": CATEGORY_COLORS["gradient"],
                "optimizer": CATEGORY_COLORS["optimizer"], "master": CATEGORY_COLORS["master"],
                "model": CATEGORY_COLORS["parameter"], "rng": "#8c564b", "extra": "#7f7f7f"}
+
+
+MAX_BANDS = 200  # phase bands a memory view draws at most (more are joined by the core)
+TABLE_ROWS = 10  # rows of the alive-at-peak tables
+
+
+def band_opacity(microbatch: int) -> float:
+    """A phase band's opacity: even and odd microbatches alternate; no microbatch (-1) is even."""
+    return BAND_OPACITY[microbatch % 2 if microbatch >= 0 else 0]
+
+
+def peak_where(phase: str, step: int, microbatch: int) -> str:
+    """Where a peak fell, as its annotation says: "backward, step 2, microbatch 1"."""
+    return f"{phase}, step {step}" + (f", microbatch {microbatch}" if microbatch >= 0 else "")
+
+
+def memory_x_title(source: str, clock: str, overlay: bool) -> str:
+    """A memory timeline's x axis title: the step clock (``clock == "step"``), else a measurement's seconds
+    or a prediction's event positions."""
+    if clock == "step":
+        return ("step (each step from its first event to the next step's"
+                + ("; the dashed line aligned phase by phase)" if overlay else ")"))
+    return "seconds since recording began" if source != "predicted" else "event position (simulated clock)"
 
 
 def palette() -> dict[str, Any]:

@@ -4,19 +4,10 @@
 // dashed over it. Every number (points, bands, peak, axes) comes from the server's memory/timeline answer,
 // which the timeline's own methods compute: this file only draws.
 import { Json, errorText, requestAPI } from './api';
-import { ISeries, asRecords, el, formatBytes, lineChart, table } from './render';
+import { ISeries, asRecords, attachXBrush, el, formatBytes, lineChart, svg, table } from './render';
 
-const SVG = 'http://www.w3.org/2000/svg';
 const MAX_STEP_OPTIONS = 200; // more steps than this: a number field instead of a menu
 let clipIds = 0;
-
-function svg(tag: string, attrs: Record<string, string | number> = {}): SVGElement {
-  const node = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs)) {
-    node.setAttribute(k, String(v));
-  }
-  return node;
-}
 
 function svgText(attrs: Record<string, string | number>, text: string): SVGElement {
   const t = svg('text', attrs);
@@ -195,33 +186,7 @@ export function memoryChart(
 
   if (options.onSelect) {
     // Drag across the plot to zoom into that x window (the server re-downsamples it).
-    const brush = svg('rect', { y: m.t, height: ph, width: 0, class: 'pw-band' });
-    root.appendChild(brush);
-    const toX = (ev: MouseEvent) => {
-      const b = root.getBoundingClientRect();
-      const px = ((ev.clientX - b.left) / b.width) * W;
-      return x0 + ((Math.min(Math.max(px, m.l), W - m.r) - m.l) / pw) * (x1 - x0);
-    };
-    let start: number | null = null;
-    root.addEventListener('mousedown', ev => {
-      start = toX(ev);
-    });
-    root.addEventListener('mousemove', ev => {
-      if (start !== null) {
-        const a = sx(Math.min(start, toX(ev)));
-        brush.setAttribute('x', String(a));
-        brush.setAttribute('width', String(sx(Math.max(start, toX(ev))) - a));
-      }
-    });
-    root.addEventListener('mouseup', ev => {
-      if (start !== null) {
-        const [a, b] = [Math.min(start, toX(ev)), Math.max(start, toX(ev))];
-        start = null;
-        if (b > a) {
-          options.onSelect!(a, b);
-        }
-      }
-    });
+    attachXBrush(root, W, m, ph, [x0, x1], sx, options.onSelect);
   }
   return box;
 }

@@ -19,7 +19,7 @@ export function el<K extends keyof HTMLElementTagNameMap>(
   return node;
 }
 
-function svg(tag: string, attrs: Record<string, string | number> = {}): SVGElement {
+export function svg(tag: string, attrs: Record<string, string | number> = {}): SVGElement {
   const node = document.createElementNS(SVG, tag);
   for (const [k, v] of Object.entries(attrs)) {
     node.setAttribute(k, String(v));
@@ -83,24 +83,38 @@ export function column(data: Json, name: string): number[] {
   return asRecords(data).map(r => Number(r[name]));
 }
 
+/** How a table shows its columns' names and its cells, where a view wants other than the raw name and
+ * formatValue (the checkpoint tab: labels in words, dotted keys that break after their dots). */
+export interface ITableFormat {
+  className?: string;
+  header?: (col: string) => string;
+  cell?: (td: HTMLTableCellElement, value: Json, col: string) => void;
+}
+
 export function table(
   rows: Record<string, Json>[],
   columns?: string[],
   onRowClick?: (row: Record<string, Json>, tr: HTMLTableRowElement) => void,
-  bytesColumns: string[] = []
+  bytesColumns: string[] = [],
+  fmt: ITableFormat = {}
 ): HTMLTableElement {
   const cols = columns ?? Array.from(new Set(rows.flatMap(r => Object.keys(r))));
-  const t = el('table', 'pw-table');
+  const t = el('table', fmt.className ?? 'pw-table');
   const head = t.createTHead().insertRow();
   for (const c of cols) {
-    head.appendChild(el('th', undefined, c));
+    head.appendChild(el('th', undefined, fmt.header ? fmt.header(c) : c));
   }
   const body = t.createTBody();
   for (const r of rows) {
     const tr = body.insertRow();
     for (const c of cols) {
       const td = tr.insertCell();
-      td.textContent = formatValue(r[c], bytesColumns.includes(c) ? 'bytes' : c);
+      td.dataset.col = c;
+      if (fmt.cell) {
+        fmt.cell(td, r[c], c);
+      } else {
+        td.textContent = formatValue(r[c], bytesColumns.includes(c) ? 'bytes' : c);
+      }
       if (typeof r[c] === 'number') {
         td.className = 'pw-num';
       }
@@ -143,7 +157,7 @@ export function jsonView(value: Json, depth = 0, hint = ''): HTMLElement {
 
 /** The step of 1, 2 or 5 times a power of ten that cuts `span` into at most about `target` intervals
  * (workbench.ticks.nice_step: the memory tab's axes come from the server, the other charts use this). */
-export function niceStep(span: number, target = 5): number {
+function niceStep(span: number, target = 5): number {
   if (!(Number.isFinite(span) && span > 0)) {
     return 1;
   }
@@ -158,7 +172,7 @@ export function niceStep(span: number, target = 5): number {
 }
 
 /** A multiple of `step` with the decimals the step needs, trailing zeros dropped. */
-export function tickLabel(v: number, step: number): string {
+function tickLabel(v: number, step: number): string {
   const d = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
   const text = v.toFixed(d).replace(/(\.\d*?)0+$/, '$1').replace(/\.$/, '');
   return Number(text) === 0 ? '0' : text;
@@ -186,7 +200,6 @@ export function lineChart(
   options: {
     title?: string;
     xLabel?: string;
-    yFormat?: (v: number) => string;
     /** y values are bytes: ticks in one binary unit (MiB, GiB), 1-2-5 steps. */
     yBytes?: boolean;
     onSelect?: (x0: number, x1: number) => void;
@@ -197,7 +210,6 @@ export function lineChart(
   const W = options.width ?? 720;
   const H = options.height ?? 240;
   const m = { l: 80, r: 16, t: 24, b: 36 };
-  const fmt = options.yFormat ?? ((v: number) => (Math.abs(v) >= 1e4 ? v.toExponential(2) : v.toPrecision(4)));
   const box = el('div', 'pw-chart');
   const root = svg('svg', { viewBox: `0 0 ${W} ${H}`, width: W, height: H }) as SVGSVGElement;
   box.appendChild(root);
@@ -247,7 +259,7 @@ export function lineChart(
   root.appendChild(svg('line', { x1: m.l, y1: m.t, x2: m.l, y2: H - m.b, class: 'pw-axis' }));
   for (const v of multiples(y0 / scale, y1 / scale, ystep)) {
     const ty = svg('text', { x: m.l - 4, y: sy(v * scale) + 4, 'text-anchor': 'end', class: 'pw-tick pw-ytick', 'data-value': v * scale });
-    ty.textContent = options.yBytes || !options.yFormat ? tickLabel(v, ystep) + unit : fmt(v);
+    ty.textContent = tickLabel(v, ystep) + unit;
     root.appendChild(ty);
   }
   for (const xv of multiples(x0, x1, xstep)) {
@@ -279,36 +291,53 @@ export function lineChart(
     box.appendChild(legend);
   }
   if (options.onSelect) {
-    // Drag across the plot to zoom into that x window (the server re-downsamples it).
-    const band = svg('rect', { y: m.t, height: H - m.t - m.b, width: 0, class: 'pw-band' });
-    root.appendChild(band);
-    const toX = (ev: MouseEvent) => {
-      const r = root.getBoundingClientRect();
-      const px = ((ev.clientX - r.left) / r.width) * W;
-      return x0 + ((Math.min(Math.max(px, m.l), W - m.r) - m.l) / (W - m.l - m.r)) * (x1 - x0);
-    };
-    let start: number | null = null;
-    root.addEventListener('mousedown', ev => {
-      start = toX(ev);
-    });
-    root.addEventListener('mousemove', ev => {
-      if (start !== null) {
-        const a = sx(Math.min(start, toX(ev)));
-        band.setAttribute('x', String(a));
-        band.setAttribute('width', String(sx(Math.max(start, toX(ev))) - a));
-      }
-    });
-    root.addEventListener('mouseup', ev => {
-      if (start !== null) {
-        const [a, b] = [Math.min(start, toX(ev)), Math.max(start, toX(ev))];
-        start = null;
-        if (b > a) {
-          options.onSelect!(a, b);
-        }
-      }
-    });
+    attachXBrush(root, W, m, H - m.t - m.b, [x0, x1], sx, options.onSelect);
   }
   return box;
+}
+
+/** Drag across a chart's plot area (``W`` wide in viewBox units, margins ``m``, plot ``plotH`` high, x
+ * ``domain`` drawn by ``sx``) to select an x window: a band follows the drag, ``onSelect(a, b)`` gets the
+ * window in data units (the server then re-downsamples it). */
+export function attachXBrush(
+  root: SVGSVGElement | SVGElement,
+  W: number,
+  m: { l: number; r: number; t: number },
+  plotH: number,
+  domain: [number, number],
+  sx: (x: number) => number,
+  onSelect: (a: number, b: number) => void
+): void {
+  const [x0, x1] = domain;
+  const band = svg('rect', { y: m.t, height: plotH, width: 0, class: 'pw-band' });
+  root.appendChild(band);
+  const toX = (ev: MouseEvent) => {
+    const r = root.getBoundingClientRect();
+    const px = ((ev.clientX - r.left) / r.width) * W;
+    return x0 + ((Math.min(Math.max(px, m.l), W - m.r) - m.l) / (W - m.l - m.r)) * (x1 - x0);
+  };
+  let start: number | null = null;
+  root.addEventListener('mousedown', ev => {
+    start = toX(ev as MouseEvent);
+  });
+  root.addEventListener('mousemove', ev => {
+    if (start !== null) {
+      const x = toX(ev as MouseEvent);
+      const a = sx(Math.min(start, x));
+      band.setAttribute('x', String(a));
+      band.setAttribute('width', String(sx(Math.max(start, x)) - a));
+    }
+  });
+  root.addEventListener('mouseup', ev => {
+    if (start !== null) {
+      const x = toX(ev as MouseEvent);
+      const [a, b] = [Math.min(start, x), Math.max(start, x)];
+      start = null;
+      if (b > a) {
+        onSelect(a, b);
+      }
+    }
+  });
 }
 
 /** A histogram from bin edges (n+1) and counts (n). ``logCount``: bar heights on a log10(1 + count) axis,

@@ -131,50 +131,32 @@ function ckptSummary(obj: Json, labels: Json, skip: string[] = []): HTMLElement 
 }
 
 /** The key table: every column but the key on one line, and the key breaking after its dots (a dotted name
- * has no spaces), so a narrow pane squeezes the key, never pushes shape, size or shards out of sight. */
+ * has no spaces), so a narrow pane squeezes the key, never pushes shape, size or shards out of sight
+ * (style/index.css: .pw-ckpt-table). */
 function ckptTable(
   rows: Record<string, Json>[],
   cols: string[],
   labels: Json,
   onRowClick?: (row: Record<string, Json>, tr: HTMLTableRowElement) => void
 ): HTMLTableElement {
-  const t = el('table', 'pw-table pw-ckpt-table');
-  const head = t.createTHead().insertRow();
-  for (const c of cols) {
-    const th = el('th', undefined, ckptLabel(c, labels));
-    th.style.whiteSpace = 'nowrap';
-    head.appendChild(th);
-  }
-  const body = t.createTBody();
-  for (const r of rows) {
-    const tr = body.insertRow();
-    for (const c of cols) {
-      const td = tr.insertCell();
-      td.dataset.col = c;
-      if (c === 'key') {
-        // a dotted name breaks after its dots (<wbr>); within a part only where the part alone is too long
-        // (break-word, unlike anywhere, leaves the column's min-content at its longest part)
-        String(r[c] ?? '').split(/(?<=\.)/).forEach((part, i) => {
-          if (i) {
-            td.appendChild(document.createElement('wbr'));
-          }
-          td.appendChild(document.createTextNode(part));
-        });
-        td.style.overflowWrap = 'break-word';
-      } else {
-        td.textContent = ckptValue(r[c], c);
-        td.style.whiteSpace = 'nowrap';
+  return table(rows, cols, onRowClick, [], {
+    className: 'pw-table pw-ckpt-table',
+    header: c => ckptLabel(c, labels),
+    cell: (td, v, c) => {
+      if (c !== 'key') {
+        td.textContent = ckptValue(v, c);
+        return;
       }
-      if (typeof r[c] === 'number') {
-        td.className = 'pw-num';
-      }
+      // a dotted name breaks after its dots (<wbr>); within a part only where the part alone is too long
+      // (break-word, unlike anywhere, leaves the column's min-content at its longest part)
+      String(v ?? '').split(/(?<=\.)/).forEach((part, i) => {
+        if (i) {
+          td.appendChild(document.createElement('wbr'));
+        }
+        td.appendChild(document.createTextNode(part));
+      });
     }
-    if (onRowClick) {
-      tr.classList.add('pw-clickable');
-      tr.addEventListener('click', () => onRowClick(r, tr));
-    }
-  }
-  return t;
+  });
 }
 
 /** A verify, diff or load-dry-run answer as nested tables: the server's labels for its fields (a name the
@@ -656,7 +638,6 @@ export async function renderAction(host: HTMLElement, endpoint: string, params: 
   host.replaceChildren();
   const verdicts: [string, string, string][] = [
     ['ok', 'checkpoint verified: no problems', 'checkpoint has problems'],
-    ['identical', 'identical', 'different'],
     ['loadable', 'loads into the target layout', 'will not load into the target layout']
   ];
   // A diff's verdict is about tensors (workbench.checkpoint.diff): red only when tensors differ, and its
@@ -666,7 +647,7 @@ export async function renderAction(host: HTMLElement, endpoint: string, params: 
     host.appendChild(el('div', `${cls} pw-verdict`, String(result.banner ?? result.verdict)));
   }
   for (const [field, yes, no] of verdicts) {
-    if (typeof result[field] === 'boolean' && !(field === 'identical' && typeof result.verdict === 'string')) {
+    if (typeof result[field] === 'boolean') {
       host.appendChild(el('div', result[field] ? 'pw-ok pw-verdict' : 'pw-error pw-verdict', result[field] ? yes : no));
     }
   }
@@ -678,10 +659,6 @@ export async function renderAction(host: HTMLElement, endpoint: string, params: 
   }
   for (const p of result.problems ?? []) {
     host.appendChild(el('div', 'pw-error', String(p.message ?? `${p.file}: ${p.problem}; ${p.fix}`)));
-  }
-  if (!result.labels) {
-    host.appendChild(jsonView(result));
-    return;
   }
   const shown = { ...result };
   delete shown.labels;

@@ -3,7 +3,8 @@
 The dashboard follows it exactly as it follows a torchrun job (:class:`workbench.Run` reads the file and
 polls the process), so its redraw rate can be measured at any step rate, which a real tiny run on two loaded
 cores cannot reach. The process has a session of its own, so ``Run.stop()`` (SIGTERM to its group) stops
-it and nothing else.
+it and nothing else; it also ends when the process that started it does (a test that failed before its
+Stop, or a kernel shut down), so a 10^7-step run never outlives its test.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from workbench.train.launcher import Run, build_job
 
 # argv: events.jsonl, ranks, steps, steps per second, seconds of silence after the last step.
 WRITER = r"""
-import json, sys, time
+import json, os, sys, time
+parent = os.getppid()
 path, ranks, steps, rate, quiet_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
 with open(path, "a") as f:
     def emit(**e):
@@ -27,6 +29,8 @@ with open(path, "a") as f:
         emit(type="start", rank=r)
     t0 = time.monotonic()
     for s in range(steps):
+        if os.getppid() != parent:  # whoever started it is gone
+            sys.exit(0)
         for r in range(ranks):
             emit(type="step", rank=r, step=s, loss=5.0 / (1 + 0.01 * s), tokens_per_s=1000.0 + s,
                  step_time_s=1.0 / rate, mem_bytes=(100 + r) * 2**20, grad_norm=1.0 + 1.0 / (1 + s), lr=3e-4)

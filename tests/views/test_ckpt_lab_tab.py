@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_views_fixtures import trained_checkpoint
-from test_browser import browser, start_files_lab  # noqa: F401 (browser: a fixture)
+from test_browser import browser, lab_page, start_files_lab  # noqa: F401 (browser: a fixture)
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 
@@ -47,14 +47,9 @@ def lab(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page(lab, browser):
-    server, _ = lab
     # narrower than a laptop's screen: the key table used to push its last columns off the pane here
-    context = browser.new_context(viewport={"width": 1100, "height": 900})
-    pg = context.new_page()
-    pg.goto(f"{server.url}/lab?reset&token={server.token}", timeout=60_000)
-    pg.wait_for_selector(".jp-DirListing-item[title^='Name: ckpt']", timeout=60_000)
-    yield pg
-    context.close()
+    with lab_page(browser, lab[0], width=1100, query="reset&", ready=".jp-DirListing-item[title^='Name: ckpt']") as pg:
+        yield pg
 
 
 # how many lines a cell's text takes: one client rect per line box of its text

@@ -112,3 +112,37 @@ def test_stop_clicked_while_a_cell_waits_stops_the_run_within_a_second(kernel, t
     assert last_step - click_wall <= 1.0, "the run went on training after the click"
     assert order == ["ended stopped", "next cell stopped"], order
     assert ended_s is not None and ended_s <= 5.0
+
+
+PUMPING = """
+import time
+from workbench.widgets.comm_pump import CommPump
+with CommPump.here() as pump:   # what RunDashboard.wait() does while a run goes on
+    t = time.monotonic()
+    while time.monotonic() - t < 2:
+        pump.pump(0.1)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_cells_queued_behind_a_waiting_cell_run_in_order(kernel):
+    """Run All: the cell after the waiting one (read by the kernel before the wait began) still runs before
+    the ones the pump held. Tutorial 02 once ran them first: a NameError, and the skipped cell aborted."""
+    kc = kernel
+    cells = ["import time; time.sleep(1)", PUMPING, "x = 1", "print('x is', x)", "print('last')"]
+    ids = [kc.execute(c) for c in cells]  # all at once, as the page sends them
+    replies: dict[int, str] = {}
+    printed: list[str] = []
+    deadline = time.monotonic() + 60
+    while len(replies) < len(ids) and time.monotonic() < deadline:
+        try:
+            r = kc.get_shell_msg(timeout=0.2)
+            if r["parent_header"].get("msg_id") in ids:
+                replies[ids.index(r["parent_header"]["msg_id"])] = r["content"]["status"]
+        except queue.Empty:
+            pass
+    for m in _iopub(kc, time.monotonic() + 2):
+        if m["msg_type"] == "stream" and m["parent_header"].get("msg_id") in ids:
+            printed.append(m["content"]["text"].strip())
+    assert replies == {i: "ok" for i in range(len(ids))}, replies
+    assert printed == ["x is 1", "last"], printed

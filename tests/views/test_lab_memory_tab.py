@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from memory_demo import demo_prediction, demo_timeline
-from test_browser import browser, start_files_lab  # noqa: F401 (browser: a fixture)
+from test_browser import browser, lab_page, start_files_lab  # noqa: F401 (browser: a fixture)
 from test_run_tab_peaks import _pp_run
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
@@ -48,13 +48,8 @@ def lab_memory(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page(lab_memory, browser):
-    server, _ = lab_memory
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    pg = context.new_page()
-    pg.goto(f"{server.url}/lab?token={server.token}", timeout=60_000)
-    pg.wait_for_selector(".jp-DirListing-item", timeout=60_000)
-    yield pg
-    context.close()
+    with lab_page(browser, lab_memory[0], height=1000) as pg:
+        yield pg
 
 
 def _open_dir(page, name: str):

@@ -99,3 +99,32 @@ def test_plots_draw_after_run_all_reload_and_restart(lab, page, tmp_path):
     except Exception:
         _dump_on_failure(page, lab)
         raise
+
+
+def test_plotly_js_is_served_once_per_version_and_only_behind_the_login(lab):
+    """The route PlotView loads plotly.js from: the plotly package's file, cached for good under a versioned
+    URL (so a page of many plots, or a reload, downloads it once), refused without the token."""
+    import urllib.error
+    import urllib.request
+
+    from plotly.offline import get_plotlyjs_version
+
+    from workbench.widgets.plotly_view import PLOTLY_ROUTE, plotly_js
+
+    url = f"{lab.url}/{PLOTLY_ROUTE}?v={get_plotlyjs_version()}"
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": f"token {lab.token}"}),
+                                timeout=30) as resp:
+        body, headers = resp.read(), resp.headers
+    assert body.decode() == plotly_js()
+    assert "javascript" in headers["Content-Type"]
+    assert re.search(r"max-age=(\d+)", headers["Cache-Control"]) and int(
+        re.search(r"max-age=(\d+)", headers["Cache-Control"]).group(1)) >= 365 * 86400
+    try:  # without the token: the login page (urllib follows the redirect) or a refusal, never the file
+        with urllib.request.urlopen(urllib.request.Request(url), timeout=30) as resp:
+            assert resp.url != url and "javascript" not in resp.headers["Content-Type"], resp.url
+    except urllib.error.HTTPError as e:
+        assert e.code == 403
+    for other in ("workbench/static/plotly.js", "workbench/static/../__init__.py"):
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(urllib.request.Request(f"{lab.url}/{other}",
+                                                          headers={"Authorization": f"token {lab.token}"}), timeout=30)

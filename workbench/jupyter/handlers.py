@@ -156,7 +156,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from jupyter_server.base.handlers import APIHandler, JupyterHandler
+from jupyter_server.base.handlers import APIHandler, AuthenticatedFileHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
@@ -359,35 +359,17 @@ class _NotFound(_WorkbenchHandler):
                       + ", ".join(f"{API_PREFIX}/{r}" for r in ROUTES))
 
 
-class _PlotlyJS(JupyterHandler):
-    """``workbench/static/plotly.min.js``: the plotly.js the plotly package ships, for the notebook plots
-    (workbench/widgets/plotly_view.js loads it once per page). Versioned URLs, so the browser keeps it:
-    a page with 25 plots, or reloaded, downloads it at most once."""
-
-    @web.authenticated
-    def get(self) -> None:
-        path = _plotly_js()
-        etag = f'"{path.stat().st_size}-{path.stat().st_mtime_ns}"'
-        self.set_header("Content-Type", "text/javascript; charset=utf-8")
-        self.set_header("Cache-Control", "private, max-age=31536000, immutable")
-        self.set_header("ETag", etag)
-        if self.request.headers.get("If-None-Match") == etag:
-            self.set_status(304)
-            return
-        self.write(path.read_bytes())
-
-
-def _plotly_js() -> Path:
-    import plotly
-
-    return Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
-
-
 def setup_handlers(web_app: Any, root_dir: str | Path) -> None:
     """Add the routes above to a jupyter_server web application serving ``root_dir``."""
     base = web_app.settings.get("base_url", "/")
     kw = {"root": Path(root_dir).expanduser()}
     handlers = [(url_path_join(base, API_PREFIX, route) + "/?", _route(fn), kw) for route, fn in ROUTES.items()]
     handlers.append((url_path_join(base, API_PREFIX, ".*"), _NotFound, kw))
-    handlers.append((url_path_join(base, "workbench/static/plotly.min.js"), _PlotlyJS))
+    # The plotly.js the plotly package ships, for the notebooks' plots (workbench/widgets/plotly_view.js loads
+    # it once per page). Only that file; jupyter_server's handler for files behind the login, which caches a
+    # versioned URL (PlotView asks for ?v=<plotly.js version>) for good, so a page downloads it once.
+    import plotly
+
+    handlers.append((url_path_join(base, r"workbench/static/(plotly\.min\.js)"), AuthenticatedFileHandler,
+                     {"path": str(Path(plotly.__file__).parent / "package_data")}))
     web_app.add_handlers(".*$", handlers)

@@ -39,13 +39,13 @@ from typing import Any
 
 import numpy as np
 
+from workbench import palette
 from workbench.jupyter.files import Refused, first_line, inside, json_safe, relative, stamp
 
 __all__ = ["timeline_window", "warm", "cache_dir"]
 
 _KEEP = 4  # finished timelines kept in memory
-MAX_BANDS = 200  # phase bands per answer: the notebook view's max_bands, so both draw the same bands
-TABLE_ROWS = 10  # rows of the alive-at-peak tables: the notebook view's
+MAX_BANDS, TABLE_ROWS = palette.MAX_BANDS, palette.TABLE_ROWS  # what the notebook view shows too
 _PIECE_POINTS = 4000  # points kept of each piece of a snapshot (16 or 64 MiB) while it is read
 CACHE_VERSION = 1
 
@@ -302,7 +302,6 @@ class _Job:
             per_rank.append({"rank": r, "events_read": events, "several_devices": devices > 1,
                              "t": ((t[idx] - origin) * 1e-6).tolist(), "delta_bytes": d[idx].tolist(),
                              "max_delta_bytes": int(d.max()) if len(d) else None})
-        from workbench import palette
 
         return {"stage": self.stage, "bytes_read": done, "bytes_total": self.total,
                 "fraction": done / self.total if self.total else None,
@@ -362,18 +361,9 @@ def _overlay_job(root: Path, p: Path, wait: float) -> _Job:
     return job
 
 
-def _x_title(tl: Any, clock: str, overlay: bool) -> str:
-    """The x axis' title, as the notebook view writes it."""
-    if clock == "step":
-        return ("step (each step from its first event to the next step's"
-                + ("; the dashed line aligned phase by phase)" if overlay else ")"))
-    return "seconds since recording began" if tl.source != "predicted" else "event position (simulated clock)"
-
-
 def _bands(spans: list[dict], d: _Rank, clock: str) -> list[dict]:
     """Phase spans as the view draws them: x on the plot's clock, the phase's colour, and the opacity of
     its microbatch (even or odd), the notebook view's rule."""
-    from workbench import palette
 
     if not spans:
         return []
@@ -386,7 +376,7 @@ def _bands(spans: list[dict], d: _Rank, clock: str) -> list[dict]:
         mb = int(s["microbatch"])
         out.append({"phase": str(s["phase"]), "step": int(s["step"]), "microbatch": mb, "t0": float(s["t0"]),
                     "t1": float(s["t1"]), "x0": a, "x1": b, "color": palette.PHASE_COLORS[str(s["phase"])],
-                    "opacity": palette.BAND_OPACITY[mb % 2 if mb >= 0 else 0]})
+                    "opacity": palette.band_opacity(mb)})
     return out
 
 
@@ -409,7 +399,7 @@ def _marker(kind: str, nbytes: int, t: float, x: float, phase: str, step: int, m
     """The peak the view marks, with the notebook view's annotation (bytes; phase, step, microbatch)."""
     from workbench.units import format_bytes
 
-    where = f"{phase}, step {step}" + (f", microbatch {mb}" if mb >= 0 else "")
+    where = palette.peak_where(phase, step, mb)
     name = "window peak" if kind == "window" else "peak"
     return {"kind": kind, "bytes": int(nbytes), "t": float(t), "x": float(x), "phase": str(phase), "step": int(step),
             "microbatch": int(mb), "label": [f"{name} {format_bytes(int(nbytes))}", where]}
@@ -466,7 +456,6 @@ def timeline_window(root: Path, p: Path, t0: float | None = None, t1: float | No
     matching rank's total is drawn dashed; when its source differs, x is the step clock
     (``step_progress``) and ``t0``/``t1`` are on that clock. The whole view of a rank (no ``t0``/``t1``)
     carries the same points, bands and peak as ``MemoryTimelineView`` with the same ``max_points``."""
-    from workbench import palette
     from workbench.memory.timeline import CATEGORIES, extreme_indices
     from workbench.ticks import byte_axis, number_axis
 
@@ -569,7 +558,7 @@ def timeline_window(root: Path, p: Path, t0: float | None = None, t1: float | No
             "overlay": line, "y_axis": byte_axis(top),
         })
     x_axis = number_axis(lo, hi, target=8)  # a wide axis: about 8 ticks
-    x_axis["title"] = _x_title(tl, clock, over is not None)
+    x_axis["title"] = palette.memory_x_title(tl.source, clock, over is not None)
     peaks = [{"rank": r, "bytes": d.peak["bytes"], "t": d.peak["t"], "step": d.peak["step"],
               "phase": d.peak["phase"]} for r, d in loaded.ranks.items()]
     return {"path": relative(root, p), "complete": True, "parse": loaded.parse, "source": tl.source,

@@ -313,14 +313,25 @@ class KernelCheck(RendersInNotebook):
         return self.rows.copy()
 
     def by_case(self) -> pd.DataFrame:
-        """One row per case: rows checked, passed, failed, skipped, the largest errors and the seconds."""
+        """One row per case: rows checked, passed, failed, skipped, the largest errors, the seconds and a
+        ``status`` (fail: any row failed; skip: every row skipped; else pass)."""
+        return self._counts("case")
+
+    def by_op(self) -> pd.DataFrame:
+        """One row per op (kernel), as :meth:`by_case`, plus how many ``cases`` it has."""
+        return self._counts("op")
+
+    def _counts(self, by: str) -> pd.DataFrame:
         r = self.rows.assign(passed=self.rows["status"] == "pass", failed=self.rows["status"] == "fail",
                              skipped=self.rows["status"] == "skip")
-        return (r.groupby("case", sort=False)
-                 .agg(rows=("status", "size"), passed=("passed", "sum"), failed=("failed", "sum"),
-                      skipped=("skipped", "sum"), max_abs_err=("max_abs_err", "max"),
-                      vs_torch_err=("vs_torch_err", "max"), seconds=("seconds", "sum"))
-                 .reset_index())
+        out = (r.groupby(by, sort=False)
+                .agg(cases=("case", "nunique"), rows=("status", "size"), passed=("passed", "sum"),
+                     failed=("failed", "sum"), skipped=("skipped", "sum"), max_abs_err=("max_abs_err", "max"),
+                     vs_torch_err=("vs_torch_err", "max"), seconds=("seconds", "sum"))
+                .reset_index())
+        out.insert(1, "status", ["fail" if f else "skip" if s == n else "pass"
+                                 for f, s, n in zip(out["failed"], out["skipped"], out["rows"])])
+        return out if by == "op" else out.drop(columns="cases")
 
     def where(self, status: str | None = None, op: str | None = None) -> KernelCheck:
         """The rows with this ``status`` (pass, fail, skip) and of this op (or case), as a new KernelCheck."""

@@ -408,7 +408,7 @@ class MemoryRecorder:
 
         class Recording(compat.get("TorchDispatchMode")):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                rows = len(rec._builder.rows)
+                rows = len(rec._builder.rows) if rec.blocks is not None else 0  # only the fold reads it
                 if rec.blocks is not None:
                     rec._note_inputs(rows, args, kwargs)
                 out = func(*args, **(kwargs or {}))
@@ -418,7 +418,7 @@ class MemoryRecorder:
                 ns = getattr(func, "namespace", "")
                 comm = ns in _COMM_NAMESPACES
                 label = "communication" if comm else None
-                if func in _COPY_OPS and args and rec._is_gradient(args[0]) and rec._phase() == "backward":
+                if func in _COPY_OPS and args and rec._phase() == "backward" and rec._is_gradient(args[0]):
                     label = "gradient"
                 name = None
                 outs = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]

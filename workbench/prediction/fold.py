@@ -71,12 +71,13 @@ class FoldPlan:
     real: list[int]
 
 
-def fold_plan(job: Any, rank: int, blocks: int = SIMULATED_BLOCKS) -> FoldPlan | None:
-    """How to predict ``rank`` of ``job`` with ``blocks`` blocks per stage, or None where a fold would not
+def fold_plan(job: Any, rank: int) -> FoldPlan | None:
+    """How to predict ``rank`` of ``job`` with SIMULATED_BLOCKS blocks per stage, or None where a fold would not
     be exact or gains nothing: a mixture of experts (a router's balance is not a block's alone), data
     parallelism through DDP or ZeRO-1 (their gradient buckets and optimizer partitions cut across
     blocks), several stages per rank, selective activation checkpointing of every k-th block (k > 1:
-    blocks alternate), or a stage of ``blocks`` blocks or fewer."""
+    blocks alternate), or a stage of SIMULATED_BLOCKS blocks or fewer."""
+    blocks = SIMULATED_BLOCKS
     import dataclasses
 
     from workbench.parallel.apply import ddp_dim
@@ -182,10 +183,12 @@ def fold_rows(rows: list[tuple], final: dict[int, str], trace: Any, simulated: l
     ident = np.fromiter((r[8] for r in rows), dtype=np.int64, count=n)
     delta = np.fromiter((r[1] for r in rows), dtype=np.int64, count=n)
     ctx = _contexts(rows, touched, block_of)
-    made_by = {}
+    # who owns each storage, and where it was made (the first row that allocated it)
+    made_at: dict[int, int] = {}
     for i, x in enumerate(ident.tolist()):
-        if delta[i] > 0 and x not in made_by:
-            made_by[x] = block_of.get(x, int(ctx[i]))
+        if delta[i] > 0 and x not in made_at:
+            made_at[x] = i
+    made_by = {x: block_of.get(x, int(ctx[i])) for x, i in made_at.items()}
     ctx = _contexts(rows, touched, block_of, made_by)
 
     starts = np.r_[0, np.flatnonzero(np.diff(ctx) | _pass_changes(rows)) + 1] if n else np.zeros(0, np.int64)
@@ -207,11 +210,6 @@ def fold_rows(rows: list[tuple], final: dict[int, str], trace: Any, simulated: l
     if not any(b == M for b, _ in counts):
         raise FoldError(f"the simulation never worked on block {M}")
 
-    # who owns each storage, and where it was made
-    made_at: dict[int, int] = {}
-    for i, x in enumerate(ident.tolist()):
-        if delta[i] > 0 and x not in made_at:
-            made_at[x] = i
     # a run's place in its period: its context relative to the period's block, and how many runs of that
     # relative context follow it in the period (periods differ at their start: F's holds what comes
     # before the blocks)

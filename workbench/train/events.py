@@ -27,6 +27,7 @@ Reading a run directory that may be damaged or hostile (a copied, uploaded or ha
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -230,6 +231,88 @@ class EventReader:
                     self.first_damage = f"line {first + i + 1}: {problem}"
         self.events_read += len(events)
         return events
+
+
+# Where a rank's recorded peak comes from, most detailed first (the run tab's and Run.summary's).
+PEAK_SOURCES = {"memory": "memory recorder (memory events' peak_bytes)",
+                "peak_mem_bytes": "peak probe (step events' peak_mem_bytes)",
+                "cuda": "CUDA allocator (step events' mem_bytes: torch.cuda.max_memory_allocated)"}
+
+
+def _finite(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def memory_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Memory per rank and per pipeline stage, with one meaning of "peak": the tensor bytes the run
+    recorded at their largest (a ``memory`` event's ``peak_bytes`` under ``--memory``, else the step
+    events' ``peak_mem_bytes`` from the pipeline's probe, else on CUDA the step's ``mem_bytes``, which there
+    is ``max_memory_allocated``). On CPU a step's ``mem_bytes`` is the process's resident set: RSS, a
+    different quantity (the interpreter, torch's libraries, the allocator's cache), reported as
+    ``rss_bytes`` and never as a peak."""
+    device: dict[int, str] = {}
+    stages: dict[int, set[int]] = {}
+    best: dict[int, dict[str, tuple[float, Any]]] = {}  # rank -> source -> (largest value, its step)
+    rss: dict[int, float] = {}
+    reserved: set[int] = set()
+    for e in events:
+        rank, kind = e.get("rank"), e.get("type")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            continue
+        if kind == "start" and isinstance(e.get("device"), str):
+            device[rank] = e["device"]
+        elif kind == "pipeline" and isinstance(e.get("stages"), dict):
+            stages.setdefault(rank, set()).update(int(k) for k in e["stages"] if str(k).isdigit())
+        elif kind == "schedule" and isinstance(e.get("actions"), list):
+            stages.setdefault(rank, set()).update(a["stage"] for a in e["actions"] if isinstance(a, dict)
+                                                  and isinstance(a.get("stage"), int) and a["stage"] >= 0)
+        elif kind in ("step", "memory"):
+            fields = (("peak_mem_bytes", "peak_mem_bytes"), ("mem_bytes", "mem_bytes")) if kind == "step" \
+                else (("memory", "peak_bytes"),)
+            if kind == "step" and "mem_reserved_bytes" in e:
+                reserved.add(rank)
+            for source, f in fields:
+                v = _finite(e.get(f))
+                if v is not None:
+                    old = best.setdefault(rank, {}).get(source)
+                    if old is None or v > old[0]:
+                        best[rank][source] = (v, e.get("step"))
+    rows = []
+    for rank in sorted(set(best) | set(stages)):
+        # the trainer says its device in its start event; a CUDA step also carries mem_reserved_bytes
+        cuda = device[rank].startswith("cuda") if rank in device else rank in reserved
+        mine = dict(best.get(rank, {}))
+        mem = mine.pop("mem_bytes", None)
+        if mem is not None:
+            if cuda:
+                mine["cuda"] = mem
+            else:
+                rss[rank] = mem[0]
+        source = next((k for k in PEAK_SOURCES if k in mine), None)
+        rows.append({"rank": rank, "stages": sorted(stages.get(rank, ())) or None,
+                     "device": device.get(rank, "cuda" if cuda else "cpu"),
+                     "peak_mem_bytes": int(mine[source][0]) if source else None,
+                     "peak_step": mine[source][1] if source else None,
+                     "peak_source": PEAK_SOURCES[source] if source else None,
+                     "rss_bytes": int(rss[rank]) if rank in rss else None})
+    out: dict[str, Any] = {"memory": rows}
+    peaks = [r["peak_mem_bytes"] for r in rows if r["peak_mem_bytes"] is not None]
+    if peaks:
+        out["peak_mem_bytes"] = max(peaks)
+        out["peak_mem_source"] = "; ".join(sorted({r["peak_source"] for r in rows if r["peak_source"]}))
+    if rss:
+        out["rss_bytes"] = int(max(rss.values()))
+    per_stage: dict[int, list[dict]] = {}
+    for r in rows:
+        for st in r["stages"] or ():
+            per_stage.setdefault(st, []).append(r)
+    if per_stage:  # a stage's peak is the largest of its ranks' (a rank holding v stages holds them all at once)
+        out["stages"] = [{"stage": st, "ranks": [r["rank"] for r in rs],
+                          "peak_mem_bytes": max((r["peak_mem_bytes"] for r in rs if r["peak_mem_bytes"] is not None),
+                                                default=None),
+                          "rss_bytes": max((r["rss_bytes"] for r in rs if r["rss_bytes"] is not None), default=None)}
+                         for st, rs in sorted(per_stage.items())]
+    return out
 
 
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ import pandas as pd
 from workbench.config import DEVICES, JobConfig, ModelConfig, ParallelConfig, TrainConfig, resolve_model, validate
 from workbench.settings import make_configs, split_settings
 from workbench.display import RendersInNotebook
-from workbench.train.events import EVENTS_FILE, LAUNCHER_RANK, EventReader, follow
+from workbench.train.events import EVENTS_FILE, LAUNCHER_RANK, EventReader, follow, memory_summary
 from workbench.train.nodes import node_settings
 from workbench.train.outcome import RunFailed, root_cause
 from workbench.train.resumed import Resumed
@@ -316,16 +316,12 @@ class Run(RendersInNotebook):
                 out["mfu"] = float(steady["mfu"].median())
             if "tflops" in steady:
                 out["tflops_per_rank"] = float(steady["tflops"].median())
-            # "peak" means what the run tab and the memory views call it: a recorded peak (memory events,
-            # the pipeline's probe, or CUDA's max_memory_allocated). On CPU a step's mem_bytes is the
-            # process's resident set: reported as rss_bytes, never as a peak (issue 28).
-            hist = self.memory_history()
-            on_cpu = job_device(self.job) == "cpu"
-            peaks = hist[hist["source"] != "mem_bytes"] if on_cpu else hist
-            if len(peaks) and peaks["peak_bytes"].notna().any():
-                out["peak_mem_bytes"] = int(peaks["peak_bytes"].max())
-            if on_cpu and df["mem_bytes"].notna().any():
-                out["rss_bytes"] = int(df["mem_bytes"].max())
+        # "peak" means one thing everywhere (workbench.train.events.memory_summary, the run tab's rule too):
+        # a recorded peak; on CPU a step's mem_bytes is the process's resident set, rss_bytes, never a peak.
+        memory = memory_summary(self._all_events())
+        for key in ("peak_mem_bytes", "rss_bytes"):
+            if key in memory:
+                out[key] = memory[key]
         err = self.error
         if err is not None:
             out["error"] = {"rank": err.rank, "message": err.message,

@@ -36,8 +36,8 @@ _active = threading.local()  # one pump at a time: a nested blocking call reuses
 class CommPump:
     """Handles the page's widget messages while the kernel's main thread is blocked in a cell."""
 
-    def __init__(self, kernel: Any, socket: Any, reply_socket: Any, loop: asyncio.AbstractEventLoop):
-        self._kernel, self._socket, self._reply_socket, self._loop = kernel, socket, reply_socket, loop
+    def __init__(self, kernel: Any, socket: Any, reply_socket: Any, recv: Any):
+        self._kernel, self._socket, self._reply_socket, self._recv = kernel, socket, reply_socket, recv
         self._held: list[list[Any]] = []  # frames of the requests that wait for the cell, in arrival order
         self.handled = 0  # widget messages handled so far
 
@@ -54,7 +54,13 @@ class CommPump:
 
             kernel = getattr(get_ipython(), "kernel", None)
             manager = kernel.shell_channel_thread.manager
-            socket = manager.get_shell_channel_to_subshell_pair(None).to_socket
+            pair = manager.get_shell_channel_to_subshell_pair(None)
+            socket = pair.to_socket
+            # What the kernel's own reader calls with each request it reads: held requests go back through it,
+            # so they take the same path, in the same order, as the one it read before the cell blocked.
+            recv = pair.to_stream._recv_callback
+            if not callable(recv):
+                return None
             reply_socket = manager.get_subshell_to_shell_channel_socket(None)
             handlers = kernel.shell_handlers
             if not all(callable(handlers.get(t)) for t in WIDGET_MSG_TYPES) or not callable(kernel.shell_main):
@@ -62,10 +68,10 @@ class CommPump:
             kernel.get_parent("shell"), kernel._parent_ident["shell"]  # what _handle saves and restores
             if not isinstance(socket, zmq.Socket):
                 return None
-            loop = asyncio.get_running_loop()  # the kernel's loop, which runs the cell; held requests go back to it
+            asyncio.get_running_loop()  # the kernel's loop runs this cell: held requests are scheduled on it
         except (AttributeError, ImportError, KeyError, RuntimeError, TypeError):
             return None
-        return cls(kernel, socket, reply_socket, loop)
+        return cls(kernel, socket, reply_socket, recv)
 
     def __enter__(self) -> "CommPump":
         _active.pump = self
@@ -124,12 +130,16 @@ class CommPump:
         return True
 
     def close(self) -> None:
-        """Hand the held requests back to the kernel, in their order, ahead of any that arrive later."""
+        """Hand the held requests back to the kernel, in their order, behind any it had already read.
+
+        The kernel's reader takes the next request off the socket before a cell starts (so the pump never
+        sees it) and hands it on through its receive callback, a task that schedules the handler. Going
+        back through that same callback keeps the held requests behind it: a held request scheduled any
+        faster overtakes it, runs first (a NameError where it uses what that cell defines) and, failing,
+        aborts it."""
         held, self._held = self._held, []
         for frames in held:
-            # Each queues for the kernel's main-shell lock, which the blocking cell holds; asyncio's lock
-            # wakes waiters in order, and these tasks start before the loop next reads the socket.
-            self._loop.create_task(self._kernel.shell_main(None, frames))
+            asyncio.ensure_future(self._recv(frames))
 
 
 __all__ = ["CommPump", "WIDGET_MSG_TYPES"]

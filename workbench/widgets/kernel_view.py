@@ -155,13 +155,13 @@ class KernelCheckView:
     def _draw(self) -> None:
         status = self.controls["status"].value or None
         shown = self.result.where(None, self.controls["op"].value or None)
-        self.summary.value = _scrolling(_html_table(_per_kernel(shown), _KERNEL_COLUMNS, "per kernel"))
+        self.summary.value = _scrolling(_html_table(_failing_first(shown.by_op()), _KERNEL_COLUMNS, "per kernel"))
         rows = {s: shown.where(s).rows for s in ("fail", "skip", "pass") if status in (None, s)}
         sections = []
         if len(rows.get("fail", ())):
             sections.append(_section(rows["fail"], _ROW_COLUMNS, "failing row", opened=True))
         if status is None:
-            sections.append(_section(_with_status(shown.by_case()), _CASE_COLUMNS, "case", opened=False))
+            sections.append(_section(_failing_first(shown.by_case()), _CASE_COLUMNS, "case", opened=False))
         for s, noun in (("skip", "skipped row"), ("pass", "passing row")):
             if len(rows.get(s, ())):
                 sections.append(_section(rows[s], _ROW_COLUMNS, noun, opened=False))
@@ -187,19 +187,8 @@ def _scrolling(table: str) -> str:
     return f"<div style='max-height:{_MAX_HEIGHT_PX}px;overflow-y:auto'>{table}</div>"
 
 
-def _with_status(frame: pd.DataFrame) -> pd.DataFrame:
-    """Counts per kernel or case, with a status to colour (fail: any row failed; skip: every row skipped),
-    failing ones first."""
-    frame = frame.assign(status=["fail" if f else "skip" if s == n else "pass"
-                                 for f, s, n in zip(frame["failed"], frame["skipped"], frame["rows"])])
+def _failing_first(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values("failed", ascending=False, kind="stable")
-
-
-def _per_kernel(check: KernelCheck) -> pd.DataFrame:
-    """One row per op, from the core's :meth:`KernelCheck.summary` of that op's rows."""
-    ops = dict.fromkeys(check.rows["op"])
-    return _with_status(pd.DataFrame([{"op": op, **check.where(op=op).summary()} for op in ops],
-                                     columns=["op", *_KERNEL_COLUMNS[2:]]))
 
 
 def _section(frame: pd.DataFrame, columns: list[str], noun: str, opened: bool) -> str:

@@ -58,10 +58,9 @@ from workbench.widgets.static import view_bundle
 # The core palette (workbench.palette): the JupyterLab memory tab draws with the same colours.
 CATEGORY_COLORS = {c: palette.CATEGORY_COLORS[c] for c in CATEGORIES}
 PHASE_COLORS = dict(palette.PHASE_COLORS)
-BAND_OPACITY = palette.BAND_OPACITY  # even / odd microbatch, so neighbouring microbatches of one phase stay apart
 OVERLAY_COLOR = palette.OVERLAY_COLOR
 TOTAL_COLOR = palette.TOTAL_COLOR
-TABLE_ROWS = 10
+TABLE_ROWS = palette.TABLE_ROWS
 assert set(CATEGORY_COLORS) == set(CATEGORIES) and set(PHASE_COLORS) == set(PHASES)
 
 
@@ -79,7 +78,7 @@ class MemoryTimelineView:
 
     def __init__(self, timeline: MemoryTimeline, overlay: MemoryTimeline | None = None, *, rank: int | None = None,
                  step: int | None = None, mode: str = "rank", x: str = "auto", max_points: int = 2000,
-                 max_bands: int = 200, max_ranks: int = 16, grid_points: int = 400):
+                 max_bands: int = palette.MAX_BANDS, max_ranks: int = 16, grid_points: int = 400):
         if not timeline.ranks:
             raise ValueError("this memory timeline has no ranks; record one with `workbench train ... --memory`")
         if mode not in ("rank", "ranks"):
@@ -293,8 +292,7 @@ class MemoryTimelineView:
         annotations = []
         if peak is not None:
             px = float(self._xs(tl, rank, [peak["t"]])[0])
-            where = f"{peak['phase']}, step {peak['step']}" + (f", microbatch {peak['microbatch']}"
-                                                              if peak["microbatch"] >= 0 else "")
+            where = palette.peak_where(peak["phase"], peak["step"], peak["microbatch"])
             text = f"peak {format_bytes(peak['bytes'])}<br>{where}"
             traces.append(go.Scatter(x=[px], y=[peak["bytes"] / scale], name="peak", mode="markers",
                                      marker={"symbol": "x", "size": 11, "color": "black"},
@@ -335,7 +333,7 @@ class MemoryTimelineView:
             named.add(phase)
             shapes.append({
                 "type": "rect", "xref": "x", "yref": "paper", "x0": float(a), "x1": float(b), "y0": 0, "y1": 1,
-                "fillcolor": PHASE_COLORS[phase], "opacity": BAND_OPACITY[int(mb) % 2 if mb >= 0 else 0],
+                "fillcolor": PHASE_COLORS[phase], "opacity": palette.band_opacity(int(mb)),
                 "line": {"width": 0}, "layer": "below", "name": phase, "legendgroup": "phases",
                 "showlegend": first, **({"legendgrouptitle": {"text": "phase"}} if not shapes else {})})
         return shapes
@@ -382,10 +380,7 @@ class MemoryTimelineView:
 
     # -- text ---------------------------------------------------------------------------------------
     def _x_title(self, tl: MemoryTimeline) -> str:
-        if self.x == "step":
-            return ("step (each step from its first event to the next step's"
-                    + ("; the dashed line aligned phase by phase)" if self.overlay is not None else ")"))
-        return "seconds since recording began" if tl.source != "predicted" else "event position (simulated clock)"
+        return palette.memory_x_title(tl.source, self.x, self.overlay is not None)
 
     def _header_html(self, best: Peak | None) -> str:
         tl = self.timeline

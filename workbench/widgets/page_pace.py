@@ -1,7 +1,8 @@
 """``PagePace``: an invisible widget that tells the kernel when the page has drawn what it was sent.
 
-A live view can send redraws faster than a browser draws them: seven plotly figures take 0.6-1.7 s to
-redraw in Chromium on a loaded 2-core machine. Sent four times a second, they keep the page's main thread
+A live view can send redraws faster than a browser draws them: the dashboard's seven plotly figures took
+0.6-1.7 s to redraw in Chromium on a loaded 2-core machine (the "page round trip" that
+tests/views/test_dashboard_browser.py prints under ``pytest -s``). Sent four times a second, they keep the page's main thread
 busy for good, so a click on Stop waits there for seconds before it even reaches the kernel (issue 28).
 The kernel cannot see the page's clock, so the page says: after each redraw the view bumps ``tick``, and
 every rendering of this widget echoes the tick once the frames that draw the figures (queued before the

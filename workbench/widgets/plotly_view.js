@@ -68,7 +68,6 @@ export default {
     let alive = true;
     let frame = 0;
     let Plotly = null;
-    let drawn = 0;  // the `revision` drawn last, exposed for tests as data-pw-revision
 
     const draw = () => {
       frame = 0;
@@ -77,11 +76,7 @@ export default {
       if (error) { div.textContent = error; return; }
       size(div, layout);
       const config = Object.assign({ responsive: !layout.width, displaylogo: false }, model.get('config') || {});
-      Plotly.react(div, data, Object.assign({}, layout, { autosize: !layout.width }), config).then(() => {
-        drawn = model.get('revision');
-        div.dataset.pwRevision = String(drawn);
-        div.dataset.pwTraces = String(data.length);
-      });
+      Plotly.react(div, data, Object.assign({}, layout, { autosize: !layout.width }), config);
     };
     // Many state changes in one animation frame draw once.
     const schedule = () => { if (!frame) frame = requestAnimationFrame(draw); };

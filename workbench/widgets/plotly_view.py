@@ -54,7 +54,6 @@ class PlotView(go.Figure, anywidget.AnyWidget):
 
     _esm = Path(__file__).with_name("plotly_view.js")
     figure = traitlets.Unicode("{}").tag(sync=True)
-    revision = traitlets.Int(0).tag(sync=True)  # bumped on every send; the page shows what it drew
     config = traitlets.Dict().tag(sync=True)  # plotly.js config (e.g. {"displayModeBar": False})
     plotly_src = traitlets.Unicode(f"{PLOTLY_ROUTE}?v={get_plotlyjs_version()}").tag(sync=True)
 
@@ -62,6 +61,7 @@ class PlotView(go.Figure, anywidget.AnyWidget):
                  **kwargs: Any):
         self._sync_lock = threading.RLock()
         self._hold = 0  # open batch_update() contexts
+        self._dirty = False  # an edit inside them, not sent yet
         self._ready = False  # the figure is not sent until go.Figure.__init__ has built it
         super().__init__(data, layout, frames, skip_invalid, **kwargs)
         self._ready = True
@@ -77,10 +77,7 @@ class PlotView(go.Figure, anywidget.AnyWidget):
                 self._dirty = True
                 return
             self._dirty = False
-            text = pio.to_json({"data": self._data, "layout": self._layout}, validate=False)
-            with self.hold_sync():
-                self.figure = text
-                self.revision += 1
+            self.figure = pio.to_json({"data": self._data, "layout": self._layout}, validate=False)
 
     @contextmanager
     def batch_update(self) -> Iterator[None]:
@@ -93,30 +90,18 @@ class PlotView(go.Figure, anywidget.AnyWidget):
         finally:
             with self._sync_lock:
                 self._hold -= 1
-                send = self._hold == 0 and getattr(self, "_dirty", False)
+                send = self._hold == 0 and self._dirty
             if send:
                 self._send_figure()
 
     # go.Figure calls these after every edit (no-ops there; FigureWidget sends deltas). Here each one
-    # marks the figure changed and sends it whole.
+    # sends the figure whole, or marks it changed inside a batch: edits of traces' and layout's properties
+    # there reach _send_update_msg once, when go.Figure's batch ends.
     def _send_addTraces_msg(self, *args: Any, **kwargs: Any) -> None:
         self._send_figure()
 
     _send_moveTraces_msg = _send_deleteTraces_msg = _send_restyle_msg = _send_addTraces_msg
     _send_relayout_msg = _send_update_msg = _send_animate_msg = _send_addTraces_msg
-
-    def _relayout_child(self, *args: Any, **kwargs: Any) -> Any:
-        # Inside a batch go.Figure records layout edits without a _send_*; mark them so the batch sends.
-        out = super()._relayout_child(*args, **kwargs)
-        if self._hold:
-            self._dirty = True
-        return out
-
-    def _restyle_child(self, *args: Any, **kwargs: Any) -> Any:
-        out = super()._restyle_child(*args, **kwargs)
-        if self._hold:
-            self._dirty = True
-        return out
 
     # -- from the page ----------------------------------------------------------------------------
     def _on_frontend_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
@@ -153,4 +138,4 @@ class PlotView(go.Figure, anywidget.AnyWidget):
         display(self)
 
     def __repr__(self) -> str:
-        return f"PlotView({len(self.data)} traces, revision {self.revision})"
+        return f"PlotView({len(self.data)} traces)"
