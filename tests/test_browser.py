@@ -222,9 +222,9 @@ def start_lab(root: Path, base: Path, settings: Path, env: dict, extra: tuple[st
 
 
 @contextlib.contextmanager
-def start_files_lab(root: Path, base: Path):
+def start_files_lab(root: Path, base: Path, extra: tuple[str, ...] = ()):
     """A JupyterLab serving ``root`` (files for the Workbench tabs) with the workbench server extension, its
-    settings and state under ``base``; yields the :class:`LabServer`."""
+    settings and state under ``base``, and ``extra`` command-line options; yields the :class:`LabServer`."""
     settings = base / "app-settings"
     settings.mkdir()
     (settings / "overrides.json").write_text(json.dumps(LAB_OVERRIDES))
@@ -234,7 +234,7 @@ def start_files_lab(root: Path, base: Path):
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTER_DATA_DIR=str(base / "data"),
                JUPYTER_RUNTIME_DIR=str(base / "runtime"), JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1",
                XDG_CACHE_HOME=str(base / "cache"))  # the parsed-snapshot cache, not the user's
-    with start_lab(root, base, settings, env, ("--ServerApp.jpserver_extensions={'workbench.jupyter': True}",)) as server:
+    with start_lab(root, base, settings, env, ("--ServerApp.jpserver_extensions={'workbench.jupyter': True}", *extra)) as server:
         yield server
 
 

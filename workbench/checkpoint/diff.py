@@ -115,10 +115,9 @@ class CheckpointDiff:
 
     @property
     def identical(self) -> bool:
-        """Nothing differs in what was compared, and nothing is on one side only."""
-        return (not self.added and not self.removed and self.changed.empty
-                and (self.values.empty or bool(self.values["equal"].all())) and self.hyper_status != "differ"
-                and self.hyperparameter_changes().empty and not self.only_in_a and not self.only_in_b)
+        """Nothing differs in what was compared (no kind in :meth:`kind_differences`), and no kind is on one
+        side only. True for the ``not compared`` verdict too: ask :attr:`verdict` whether values were read."""
+        return not self.differ_kinds() and not self.only_in_a and not self.only_in_b
 
     def kind_differences(self) -> pd.DataFrame:
         """Per tensor kind that differs: ``tensor_kind, values_differ, compared, changed, only_in_a, only_in_b``

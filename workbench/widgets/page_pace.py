@@ -34,10 +34,15 @@ class PagePace(anywidget.AnyWidget):
     export default {
       render({ model, el }) {
         el.style.display = 'none';
-        // Two frames: the one that draws what came before this tick, then the next.
+        // Two frames (the one that draws what came before this tick, then the next), and then until
+        // PlotView's page-wide draw queue has drawn every figure queued before.
         const echo = () => {
           const tick = model.get('tick');
-          requestAnimationFrame(() => requestAnimationFrame(() => model.send({ drawn: tick })));
+          const send = () => model.send({ drawn: tick });
+          requestAnimationFrame(() => requestAnimationFrame(() => {
+            const q = window.__parallelWorkbenchDrawQueue;
+            q ? q.whenIdle(send) : send();
+          }));
         };
         model.on('change:tick', echo);
         return () => model.off('change:tick', echo);
