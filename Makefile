@@ -45,9 +45,10 @@ test: $(STAMP) browser extension
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Everything `make test` runs, plus what is too slow for it: every tutorial's dashboard and plots driven in
-# Chromium (Run All twice, and a page reload), not only the first ones.
+# Chromium (Run All twice, and a page reload), not only the first ones; and every OpInfo sample of our SPMD
+# rule ops under both rule sets on both meshes (tests/clients/test_spmd_opinfo.py).
 test-all: $(STAMP) browser extension
-	WORKBENCH_BROWSER_TUTORIALS=all WORKBENCH_BROWSER_PLOTS=all $(PY) -m pytest $(PYTEST_ARGS)
+	WORKBENCH_BROWSER_TUTORIALS=all WORKBENCH_BROWSER_PLOTS=all WORKBENCH_SPMD_OPINFO=all $(PY) -m pytest $(PYTEST_ARGS)
 
 # The tests marked `gpu` (NCCL training, pinned async checkpoints and bitwise resume on CUDA, CUDA memory
 # events, the Triton kernels on the GPU, the GPU benchmarks' smoke runs), on a machine with a GPU. It

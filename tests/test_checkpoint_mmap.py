@@ -282,7 +282,7 @@ def test_an_export_with_the_optimizer_carries_its_param_groups_as_readable_json(
 
     st = _state(0)
     save(tmp_path / "c", st)
-    export(tmp_path / "c", tmp_path / "hf", to="hf", include=("model", "optimizer"), progress=False)
+    export(tmp_path / "c", tmp_path / "hf", to="hf", include=("model", "optimizer"), names="workbench", progress=False)
     export(tmp_path / "c", tmp_path / "one.safetensors", to="safetensors", include=("model", "optimizer"),
            progress=False)
     index = json.loads((tmp_path / "hf" / "optimizer.safetensors.index.json").read_text())

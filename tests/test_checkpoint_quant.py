@@ -134,8 +134,10 @@ def test_inspect_verify_and_export_show_and_undo_the_quantization(tmp_path, work
     out = subprocess.run([*workbench_cli, "ckpt", "inspect", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "optimizer state: int8" in out.stdout, out.stderr
     # HF export: dequantized fp32 moments by default; the stored form on request
-    export(path, tmp_path / "hf", to="hf", include=("model", "optimizer"), progress=False)
-    export(path, tmp_path / "hfq", to="hf", include=("model", "optimizer"), progress=False, keep_quant=True)
+    # (names="workbench": the state is saved without its model config, which HF names need)
+    export(path, tmp_path / "hf", to="hf", include=("model", "optimizer"), names="workbench", progress=False)
+    export(path, tmp_path / "hfq", to="hf", include=("model", "optimizer"), names="workbench", progress=False,
+           keep_quant=True)
     plain = {k: v for f in (tmp_path / "hf").glob("optimizer-*.safetensors") for k, v in load_file(f).items()}
     kept = {k: v for f in (tmp_path / "hfq").glob("optimizer-*.safetensors") for k, v in load_file(f).items()}
     key = next(iter(m.quant["keys"])).removeprefix("optim.")

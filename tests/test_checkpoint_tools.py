@@ -431,7 +431,8 @@ def test_export_hf_sharded_with_optimizer_set_and_import_back(capsys, ckpt1, tmp
     from safetensors import safe_open
 
     out = tmp_path / "hf"
-    res = export(ckpt1, out, to="hf", include=["model", "optimizer"], max_shard_size="1MB", progress=False)
+    res = export(ckpt1, out, to="hf", include=["model", "optimizer"], max_shard_size="1MB", names="workbench",
+                 progress=False)
     assert res.by_kind == {"model": TINY.n_params * 4, "optimizer": 2 * TINY.n_params * 4 + 48 * 4}
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == TINY.n_params * 4

@@ -42,7 +42,7 @@ def test_constructor_sets_controls_and_displays(dashboards):
     assert dash.settings == {"model": "tiny", "nproc": 2, "dp_replicate": 1, "dp_shard": -1, "tp": 2,
                              "sequence_parallel": True, "pp": 1, "pp_schedule": "1F1B", "microbatches": None,
                              "ep": 1, "zero": 3, "steps": 7, "global_batch": 4, "seed": 3, "data": "text",
-                             "device": "auto"}
+                             "device": "auto", "init_from": None}
     assert dash.run is None and dash.runs == []
     # Trainable presets come first, smallest first, and tiny is the default.
     names = [value for _, value in dash.controls["preset"].options]

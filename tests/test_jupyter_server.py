@@ -255,7 +255,7 @@ def test_manifest_pages_and_filters_the_key_table(server, files):
     optim = server.ok("checkpoint/manifest", path=STEP, kind="optimizer", filter="STATE.LAYERS.0.attention.wq.", limit=50)
     assert optim["total"] == 3 and {r["key"].rsplit(".", 1)[1] for r in optim["rows"]} == {"exp_avg", "exp_avg_sq", "step"}
     hf = server.ok("checkpoint/manifest", path="hf/model.safetensors.index.json", limit=2000)
-    assert hf["summary"]["format"] == "hf" and "tok_embeddings.weight" in {r["key"] for r in hf["rows"]}
+    assert hf["summary"]["format"] == "hf" and "model.embed_tokens.weight" in {r["key"] for r in hf["rows"]}
     assert "must be" not in server.error("checkpoint/manifest", 400, path=STEP, limit="lots")
 
 

@@ -58,3 +58,19 @@ def test_gqa_and_tied_embeddings():
     assert sum(p.numel() for p in model.parameters()) == cfg.n_params
     assert model.layers["0"].attention.wk.weight.shape == (2 * 8, 64)
     assert model(torch.randint(0, 100, (1, 5))).shape == (1, 5, 100)
+
+
+def test_a_built_tied_model_stays_tied():
+    """``materialize`` runs ``to_empty``, which gives every module its own new Parameter (torch 2.13): the
+    output layer of a tie_embeddings model trained as a second matrix with an init of its own. Every real
+    run builds through it, and an HF checkpoint with tie_word_embeddings (``--init-from``) has no lm_head."""
+    import dataclasses
+
+    from workbench.config import PRESETS, ParallelConfig, TrainConfig
+    from workbench.parallel.build import build_stages
+
+    cfg = dataclasses.replace(PRESETS["tiny"], tie_embeddings=True)
+    model = build_stages(cfg, ParallelConfig(), TrainConfig(seed=3), None, "cpu").modules[0]
+    assert model.output.weight is model.tok_embeddings.weight
+    assert sum(p.numel() for p in model.parameters()) == cfg.n_params
+    torch.testing.assert_close(model.tok_embeddings.weight, build_model(cfg, seed=3).tok_embeddings.weight)

@@ -63,7 +63,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from workbench.train.launcher import build_job, launch
     from workbench.train.nodes import node_settings
     from workbench.train.rundir import RunDirInUse
+    from workbench.train.torchrun_rank import run_args, under_torchrun
 
+    if under_torchrun():  # a rank of a plain torchrun: train as that rank (launching here would race the others)
+        return run_args(args, default_out=lambda: _default_out(None))
     where = dict(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                  rdzv_id=args.rdzv_id, rdzv_timeout_s=args.rdzv_timeout)
     try:  # validate before anything is created or started
@@ -175,6 +178,9 @@ def _follow_with_progress(run, deadline: tuple[float, float] | None) -> None:
                 if bar.n != resumed.step:  # rank 0 fell back past a damaged checkpoint
                     bar.n = bar.initial = resumed.step
                     bar.refresh()
+            if event["type"] == "init_from" and event["rank"] == min(started, default=event["rank"]):
+                bar.write(f"weights from {event['path']} ({event['tensors']} tensors; optimizer and step "
+                          "start fresh)", file=sys.stderr)
             # rank 0 on one node; this node's first rank on the others
             if event["type"] == "step" and event["rank"] == min(started, default=event["rank"]):
                 bar.set_postfix(loss=f"{event['loss']:.4f}", tok_s=f"{event['tokens_per_s']:.0f}", refresh=False)

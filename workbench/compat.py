@@ -53,6 +53,7 @@ SYMBOLS: dict[str, str] = {
     "pytree": "torch.utils._pytree",
     "TorchDispatchMode": "torch.utils._python_dispatch:TorchDispatchMode",
     "is_traceable_wrapper_subclass": "torch.utils._python_dispatch:is_traceable_wrapper_subclass",
+    "return_and_correct_aliasing": "torch.utils._python_dispatch:return_and_correct_aliasing",
     "current_graph_task_id": "torch._C:_current_graph_task_id",  # != -1 while autograd's engine runs
     "cuda_record_memory_history": "torch.cuda.memory:_record_memory_history",
     "cuda_dump_snapshot": "torch.cuda.memory:_dump_snapshot",
@@ -86,6 +87,9 @@ SYMBOLS: dict[str, str] = {
     "dispatch_mode_stack": "torch.utils._python_dispatch:_get_current_dispatch_mode_stack",
     "fake_meta_handlers": "torch._subclasses.fake_tensor:_DISPATCH_META_HANDLERS",
     "fake_handle_directly": "torch._subclasses.fake_tensor:_DISPATCH_HANDLE_DIRECTLY",
+    # torch's own op samples (the conformance harness's --source opinfo); needs the test-only package
+    # expecttest, so it is imported on demand (op_db()), never at startup or by `workbench doctor`
+    "op_db": "torch.testing._internal.common_methods_invocations:op_db",
 }
 
 # Private attributes reached through objects (helpers below); listed so features can name them.
@@ -333,6 +337,23 @@ def single_dim_strategy_info(fn: Any, like: Any = None) -> Any:
     if like is not None:
         flags = {k: getattr(like, k, v) for k, v in flags.items()}
     return cls(func=fn, **{k: v for k, v in flags.items() if k in fields and v is not None})
+
+
+def op_db() -> list:
+    """torch's OpInfo database (``torch.testing._internal.common_methods_invocations.op_db``): every op's
+    sample inputs, as torch's own test suite uses them. ``MissingTorchAPI`` in one line where it cannot be
+    imported (it needs the test-only package ``expecttest``; importing it takes seconds)."""
+    path = SYMBOLS["op_db"]
+    if _is_hidden(path, _hidden()):
+        raise MissingTorchAPI(f"torch {TORCH_VERSION}'s OpInfo samples are unavailable: {path} is hidden by {HIDE_ENV}")
+    mod, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except Exception as e:  # noqa: BLE001 - any import failure of torch's test helpers means "unavailable"
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        hint = "; install it with `pip install expecttest`" if "expecttest" in why else ""
+        raise MissingTorchAPI(f"torch {TORCH_VERSION}'s OpInfo samples are unavailable: importing "
+                              f"{mod} failed ({why}){hint}") from None
 
 
 def has_composite_implicit_kernel(op: Any) -> bool:

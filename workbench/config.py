@@ -27,6 +27,7 @@ __all__ = [
     "PRESETS",
     "resolve_model",
     "validate",
+    "model_config_from_hf",
 ]
 
 
@@ -48,6 +49,8 @@ MAX_RANKS_WHY = f"workbench plans and runs up to {MAX_RANKS:,} ranks"
 # few billion at most, for million-token contexts) turns every frequency but the first to 0, and a 400-digit
 # one overflows inside torch.
 MAX_ROPE_THETA = 1e12
+MAX_ROPE_FACTOR = 1e6  # RoPE scaling factors (linear, llama3, yarn): published models stretch contexts up to ~64x
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")  # workbench.models.llama.rope_frequencies
 MAX_AUX_COEF = 100.0  # the MoE load-balancing loss weight: past this it outweighs the language-model loss
 
 
@@ -121,6 +124,26 @@ class ModelConfig(_JsonMixin):
     dropout: float = setting(0.0, "residual dropout probability (the fused dropout+add kernel)", min=0, max=1,
                              exclusive_max=True, expect="a probability in [0, 1), e.g. 0.1",
                              off="0 turns it off", metavar="P")
+    # RoPE scaling, as Hugging Face configs give it (``rope_parameters`` / ``rope_scaling``; read by
+    # workbench.hf_config): the rotary frequencies of workbench.models.llama.rope_frequencies.
+    # "dynamic" (NTK) equals "default" for every sequence up to rope_original_max_seq_len, so max_seq_len
+    # may not pass it (the tables here are fixed; transformers recomputes them for longer inputs).
+    rope_type: str = setting("default", "RoPE frequency scaling", choices=ROPE_TYPES, cli=False)
+    rope_factor: float = setting(1.0, "RoPE scaling factor (linear, dynamic, llama3, yarn)", min=1,
+                                 limit=MAX_ROPE_FACTOR, limit_why="published models scale contexts up to ~64x",
+                                 cli=False)
+    rope_low_freq_factor: float = setting(1.0, "llama3 RoPE: low_freq_factor", min=0, exclusive_min=True,
+                                          limit=MAX_ROPE_FACTOR, cli=False)
+    rope_high_freq_factor: float = setting(4.0, "llama3 RoPE: high_freq_factor", min=0, exclusive_min=True,
+                                           limit=MAX_ROPE_FACTOR, cli=False)
+    rope_original_max_seq_len: int | None = setting(None, "the pre-scaling context length (llama3, yarn, dynamic)",
+                                                    min=1, limit=MAX_SEQ_LEN, none="max_seq_len", cli=False)
+    rope_beta_fast: float = setting(32.0, "yarn RoPE: beta_fast", min=0, exclusive_min=True,
+                                    limit=MAX_ROPE_FACTOR, cli=False)
+    rope_beta_slow: float = setting(1.0, "yarn RoPE: beta_slow", min=0, exclusive_min=True, limit=MAX_ROPE_FACTOR,
+                                    cli=False)
+    rope_attention_factor: float | None = setting(None, "yarn RoPE: the cos/sin scale", min=0, exclusive_min=True,
+                                                  limit=MAX_ROPE_FACTOR, none="0.1 ln(rope_factor) + 1", cli=False)
 
     settings_group = "model"  # the argparse group of the settings above (not a field)
 
@@ -142,6 +165,7 @@ class ModelConfig(_JsonMixin):
             raise ValueError(
                 f"head_dim={self.dim // self.n_heads} (dim/n_heads) must be even for rotary embeddings"
             )
+        _check_rope(self)
 
     @property
     def head_dim(self) -> int:
@@ -162,60 +186,47 @@ class ModelConfig(_JsonMixin):
 
     @classmethod
     def from_hf_config(cls, path_or_dict: str | Path | dict[str, Any], name: str | None = None) -> "ModelConfig":
-        """Read a Hugging Face ``config.json`` of a Llama-architecture model. Only dims are read; no weights.
+        """Read a Hugging Face ``config.json`` of a Llama-architecture model (transformers 4.x or 5.x), no
+        weights: :func:`workbench.hf_config.model_config_from_hf`, which refuses in one ValueError any key
+        whose math this model does not compute."""
+        return model_config_from_hf(path_or_dict, name=name)
 
-        The file may be anything: only a regular file of at most ``workbench.safeio.CONFIG_MAX`` bytes is read,
-        and a value of the wrong type or beyond a setting's range or limit is one ValueError naming the file
-        and the key.
-        """
-        if isinstance(path_or_dict, dict):
-            hf = path_or_dict
-            source = "config"
-        else:
-            p = Path(path_or_dict)
-            if p.is_dir():
-                p = p / "config.json"
-            source = str(p)
-            hf = _read_json_object(p)
-        if not isinstance(hf, dict):
-            raise ValueError(f"{source}: holds a JSON {type(hf).__name__}, not an object of settings; pass a "
-                             "Hugging Face config.json")
-        model_type = hf.get("model_type", "llama")
-        if model_type not in ("llama", "mistral"):
-            raise ValueError(
-                f"{source}: model_type={show(model_type)} is not a Llama-architecture model; "
-                "supported model_type values are 'llama' and 'mistral'"
-            )
-        required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
-        missing = [k for k in required if k not in hf]
-        if missing:
-            raise ValueError(f"{source}: missing key(s) {missing}; a Llama config.json needs {required}")
-        fields = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-                  "n_kv_heads": "num_key_value_heads", "ffn_hidden": "intermediate_size", "vocab_size": "vocab_size",
-                  "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
-                  "tie_embeddings": "tie_word_embeddings", "name": "_name_or_path"}
-        path_name = hf.get("_name_or_path")
-        try:
-            return cls(
-                name=name or (path_name if isinstance(path_name, str) and path_name else None)
-                or Path(source).parent.name or "hf",
-                dim=hf["hidden_size"],
-                n_layers=hf["num_hidden_layers"],
-                n_heads=hf["num_attention_heads"],
-                n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                ffn_hidden=hf["intermediate_size"],
-                vocab_size=hf["vocab_size"],
-                max_seq_len=hf.get("max_position_embeddings", 4096),
-                norm_eps=hf.get("rms_norm_eps", 1e-5),
-                rope_theta=hf.get("rope_theta", 10000.0),
-                tie_embeddings=hf.get("tie_word_embeddings", False),
-            )
-        except ValueError as e:  # the setting's own message, in the file's words: hidden_size=..., not dim=...
-            msg = str(e)
-            field_name = msg.split("=", 1)[0]
-            if field_name in fields and (" must be " in msg or " is over the limit " in msg):  # one field's own
-                msg = re.sub(rf"\b{field_name}\b", fields[field_name], msg)
-            raise ValueError(f"{source}: {msg}") from None
+
+def model_config_from_hf(path_or_dict: str | Path | dict[str, Any], name: str | None = None) -> ModelConfig:
+    """The ModelConfig of a Hugging Face ``config.json`` (path, directory or parsed dict) as transformers 4.x
+    or 5.x writes it (:mod:`workbench.hf_config`): RoPE scaling from ``rope_parameters`` or ``rope_scaling``,
+    missing keys at LlamaConfig's defaults. One ValueError naming the file and the key for a value out of
+    range, a value this model does not compute (``attention_bias: true``, another ``head_dim``, ...) or an
+    unknown key; nothing is dropped in silence."""
+    from workbench.hf_config import HF_KEYS, hf_model_fields
+
+    source, fields = hf_model_fields(path_or_dict, name=name)
+    try:
+        return ModelConfig.from_dict(fields)
+    except (TypeError, ValueError) as e:  # the setting's own message, in the file's words: hidden_size=..., not dim=...
+        msg = str(e)
+        field_name = msg.split("=", 1)[0]
+        if field_name in HF_KEYS and (" must be " in msg or " is over the limit " in msg):  # one field's own
+            msg = re.sub(rf"\b{field_name}\b", HF_KEYS[field_name], msg)
+        raise ValueError(f"{source}: {msg}") from None
+
+
+def _check_rope(cfg: "ModelConfig") -> None:
+    """The RoPE scaling fields agree with each other (their ranges are the schema's)."""
+    t, orig = cfg.rope_type, cfg.rope_original_max_seq_len
+    if t == "default" and cfg.rope_factor != 1:
+        raise ValueError(f"rope_factor={cfg.rope_factor} needs a rope_type that scales; set rope_type to one of "
+                         f"{list(ROPE_TYPES[1:])} or rope_factor=1")
+    if t == "llama3" and not cfg.rope_high_freq_factor > cfg.rope_low_freq_factor:
+        raise ValueError(f"rope_high_freq_factor={cfg.rope_high_freq_factor} must be greater than "
+                         f"rope_low_freq_factor={cfg.rope_low_freq_factor} (llama3 RoPE)")
+    if t == "yarn" and not cfg.rope_beta_fast >= cfg.rope_beta_slow:
+        raise ValueError(f"rope_beta_fast={cfg.rope_beta_fast} must be at least rope_beta_slow={cfg.rope_beta_slow} "
+                         "(yarn RoPE)")
+    if t == "dynamic" and orig is not None and cfg.max_seq_len > orig:
+        raise ValueError(f"max_seq_len={cfg.max_seq_len} passes rope_original_max_seq_len={orig}: dynamic RoPE "
+                         "recomputes its frequencies for each longer sequence, which workbench's fixed tables do "
+                         f"not; choose max_seq_len <= {orig}")
 
 
 def _read_json_object(p: Path, what: str = "a Hugging Face config.json") -> Any:
@@ -461,6 +472,10 @@ class TrainConfig(_JsonMixin):
     ckpt_dir: str | None = setting(None, "checkpoint directory", none="RUN_DIR/checkpoints", group="checkpoints")
     resume: str | None = setting(None, "resume from a checkpoint: a path, or alone the newest complete one; any "
                                  "layout", const="latest", metavar="PATH|latest", group="checkpoints")
+    init_from: str | None = setting(None, "start from the weights of a Hugging Face save_pretrained directory "
+                                    "(safetensors, any layout; its config.json must match the model); optimizer "
+                                    "and step start fresh", none="the seeded initialisation", metavar="HF_DIR",
+                                    group="checkpoints")
     ema: float = setting(0.0, "keep and save an exponential moving average of the weights with this decay",
                          min=0, max=1, exclusive_max=True, expect="a decay in [0, 1), e.g. 0.999",
                          off="0 turns it off", metavar="DECAY", group="checkpoints")
@@ -475,6 +490,9 @@ class TrainConfig(_JsonMixin):
         if self.compile and self.memory:
             raise ValueError("memory=True records every operator through a dispatch mode, which torch.compile "
                              "cannot trace; drop --compile to record a memory timeline (or --memory to compile)")
+        if self.init_from is not None and self.resume is not None:
+            raise ValueError("init_from and resume both set: a resumed run takes its weights from the checkpoint; "
+                             "drop --init-from to resume, or --resume to start from the HF weights")
         if (self.ckpt_async or self.zero_stall) and not self.ckpt_every:
             raise ValueError("ckpt_async/zero_stall need periodic checkpoints; set ckpt_every N (e.g. --ckpt-every 100)")
 

@@ -97,7 +97,7 @@ def bases(tmp_path_factory) -> dict[str, Path]:
         step = save(d / "run" / "checkpoints", TrainState(model, opt, step=1),
                     manifest={"job": job.to_dict(), "layout": job.parallel.to_dict(), "step": 1})
     (d / "run" / "config.json").write_text(json.dumps(job.to_dict()))
-    export(step, d / "hf", to="hf", progress=False)
+    export(step, d / "hf", to="hf", names="workbench", progress=False)
     outside = d / "outside"
     outside.mkdir()
     shape = tuple(model.state_dict()["output.weight"].shape)

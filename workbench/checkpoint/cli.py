@@ -4,7 +4,7 @@
     workbench ckpt verify runs/r1/checkpoints/step-000020   checksums, sizes, chunk tiling (exit 1 if bad)
     workbench ckpt diff A B --top 5 --kind model        verdict (kinds that differ), largest changes per tensor kind
     workbench ckpt stats runs/r1 KEY --bins 30 --log    one tensor's statistics and histogram (of log10|x|)
-    workbench ckpt convert SRC DST --to hf --include optimizer --max-shard-size 2GiB
+    workbench ckpt convert SRC DST --to hf --include optimizer   HF names and config: transformers loads DST
     workbench ckpt plan-load SRC --dp-shard 2 --tp 2    will it load into that layout? (exit 1 if not)
 
 Every command takes ``--json`` (one JSON document on stdout). A bad file prints one line,
@@ -297,8 +297,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"besides the model: comma-separated {','.join(k for k in CHECKPOINT_KINDS if k != 'model')}")
     c.add_argument("--max-shard-size", default="2GiB",
                    help="hf shards up to this size (default 2GiB; 2GB means 2*10^9 bytes, as Hugging Face counts)")
-    c.add_argument("--names", choices=["workbench", "hf-llama"], default="workbench",
-                   help="weight names: this model's FQNs, or Hugging Face Llama names (q/k permuted for RoPE)")
+    c.add_argument("--names", choices=["hf-llama", "workbench"], default=None,
+                   help="weight names: Hugging Face Llama names, q/k permuted for RoPE, with a config.json "
+                   "transformers loads (the default of --to hf), or this model's FQNs (the default of the other "
+                   "formats; with --to hf its config.json is one transformers refuses)")
     c.add_argument("--force", action="store_true", help="replace DST if it exists and is a file, an empty "
                    "directory or an earlier export (never the source, nor a directory holding anything else); "
                    "the new export takes its place only once it is complete")

@@ -4,8 +4,10 @@ Every source is seen through *canonical keys*, the workbench DCP names (``model.
 ``master.<fqn>``), whatever its file format, so that diff, export and import agree on names::
 
     DCP / workbench step dir     model.layers.0.attention.wq.weight      (as stored)
-    HF export (names="workbench") layers.0.attention.wq.weight           ("model." stripped from weights)
-    HF export (names="hf-llama")  model.layers.0.self_attn.q_proj.weight (Hugging Face Llama names)
+    HF export (names="hf-llama")  model.layers.0.self_attn.q_proj.weight (Hugging Face Llama names: the
+                                  default of to="hf"; config.json is one transformers loads)
+    HF export (names="workbench") layers.0.attention.wq.weight           ("model." stripped from weights;
+                                  config.json names a model_type transformers refuses)
     optimizer / master shard sets optim.state.<fqn>.exp_avg, master.<fqn> (kept whole: they need a prefix)
 
 Conversions stream: tensors are read and written one at a time, so peak memory is one tensor (plus one
@@ -17,7 +19,8 @@ safetensors files are written by a streaming writer: the header is known up fron
 
 Hugging Face Llama weights rotate the halves ``(x[:d/2], x[d/2:])`` of each head; this model rotates the
 pairs ``(x[2i], x[2i+1])``. With ``names="hf-llama"`` the rows of wq and wk are permuted per head so that
-both conventions compute the same attention scores (the permutation Meta's conversion script uses).
+both conventions compute the same attention scores (the permutation Meta's conversion script uses). Reading
+HF-named weights without a config serves every tensor but wq/wk, whose permutation needs the head counts.
 """
 
 from __future__ import annotations
@@ -109,6 +112,11 @@ def _rope_permute(w: torch.Tensor, heads: int, to_hf: bool) -> torch.Tensor:
     return w.view(heads, 2, d // 2, inp).transpose(1, 2).reshape(out, inp)
 
 
+def _needs_heads(key: str) -> bool:
+    """Whether the tensor under canonical ``key`` is a q/k projection (permuted per head in HF names)."""
+    return key.startswith("model.") and key.endswith(("attention.wq.weight", "attention.wk.weight"))
+
+
 def _heads_for(fqn: str, model_cfg) -> int | None:
     if model_cfg is None:
         return None
@@ -133,6 +141,7 @@ class TensorSource:
     manifest: CheckpointManifest
     names: str = "workbench"  # how the source names weights: "workbench" or "hf-llama"
     model_cfg: Any = None  # ModelConfig, needed to undo the hf-llama q/k permutation
+    cfg_problem: str | None = None  # why the config.json beside the weights did not read, if it did not
     keys: dict[str, str] = field(default_factory=dict)
     _handles: dict[str, Any] = field(default_factory=dict, repr=False)
     _reader: Any = field(default=None, repr=False)
@@ -156,6 +165,13 @@ class TensorSource:
             close = difflib.get_close_matches(key, list(self.keys), n=3)
             raise KeyError(f"{key!r} is not a tensor of {self.manifest.path}" + (f"; did you mean {close}?" if close else ""))
         stored = self.keys[key]
+        if self.names == "hf-llama" and self.model_cfg is None and _needs_heads(key):
+            why = f" (its config.json does not read: {self.cfg_problem})" if self.cfg_problem else ""
+            raise CheckpointFormatError(self.manifest.path, f"{stored!r} is stored with Hugging Face's q/k rotary "
+                                        "permutation, and undoing it needs the model's num_attention_heads and "
+                                        f"num_key_value_heads{why}", "put the model's config.json next to the "
+                                        "weights (or pass model_cfg=ModelConfig(...)); every other tensor reads "
+                                        "without it")
         t = self._read_stored(stored)
         if self.names == "hf-llama":
             heads = _heads_for(key.removeprefix("model."), self.model_cfg)
@@ -332,12 +348,26 @@ def open_source(src: "str | os.PathLike | CheckpointManifest | TensorSource", na
         else:
             canon = "model." + k
         keys[canon] = k
+    # Without a config, HF-named q/k projections cannot be un-permuted: TensorSource.get refuses those (naming
+    # the config it needs) and serves every other tensor.
     cfg = model_cfg or model_config_of(m)
-    if names == "hf-llama" and cfg is None:
-        raise CheckpointFormatError(m.path, "Hugging Face Llama names need the model's head counts to undo the "
-                                    "q/k rotary permutation", "put its config.json next to the weights or pass "
-                                    "model_cfg=ModelConfig(...)")
-    return TensorSource(manifest=m, names=names, model_cfg=cfg, keys=keys)
+    problem = _config_problem(m) if cfg is None and names == "hf-llama" else None
+    return TensorSource(manifest=m, names=names, model_cfg=cfg, keys=keys, cfg_problem=problem)
+
+
+def _config_problem(m: CheckpointManifest) -> str | None:
+    """Why the config.json beside a checkpoint does not read as a ModelConfig (None: there is none, or it reads)."""
+    from workbench.config import ModelConfig
+
+    base = m.path if m.path.is_dir() else m.path.parent
+    cfg = base / "config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        ModelConfig.from_hf_config(confine(base, "config.json", base, "model config", error=CheckpointFormatError))
+    except (ValueError, CheckpointFormatError) as e:
+        return str(e).splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    return None
 
 
 def read_tensor(src, key: str) -> torch.Tensor:
@@ -428,25 +458,20 @@ def _out_name(canon: str, kind: str, names: str) -> str:
     return to_hf_llama_name(fqn) if names == "hf-llama" else fqn
 
 
-def _hf_config(cfg, dtype: str = "float32") -> dict[str, Any]:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
-            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-            "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.ffn_hidden,
-            "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-            "torch_dtype": dtype}
-
-
 def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] = ("model",),
-           max_shard_size: int | str = "2GiB", names: str = "workbench", overwrite: bool = False,
+           max_shard_size: int | str = "2GiB", names: str | None = None, overwrite: bool = False,
            progress: bool = True, keep_quant: bool = False) -> ExportResult:
     """Convert ``src`` (any checkpoint) to ``to``, streaming tensor by tensor.
 
     ``to``: ``hf`` (a directory of ``<set>-0000i-of-0000n.safetensors`` + ``<set>.safetensors.index.json`` per
     shard set: model, optimizer, master), ``safetensors`` (one consolidated file), ``torch`` (one
     torch.save file) or ``dcp`` (a single-writer DCP directory, from a non-DCP source). ``include``: the
-    kinds to export ("model", "optimizer", "master", "rng", "extra"). ``names``: "workbench" or "hf-llama"
-    (applies to weights; optimizer state keeps its workbench keys). ``overwrite``: replace an existing ``dst``
+    kinds to export ("model", "optimizer", "master", "rng", "extra"). ``names``: "hf-llama" (the default of
+    ``to="hf"`` for this model: Hugging Face Llama names, q/k permuted, and a config.json that transformers
+    loads; tied embeddings are written once, as HF does) or "workbench" (the default of the other formats, and
+    of a checkpoint of another model, which records no config and has no q/k projections; with ``to="hf"``
+    its config.json names a model_type transformers refuses, rather than let it half-load). Names apply to
+    weights; optimizer state keeps its workbench keys. ``overwrite``: replace an existing ``dst``
     that is a file, an empty directory or an export of ours; ``dst`` that is, holds or lies inside ``src`` is
     refused (ValueError) either way. The export is written beside ``dst`` and renamed into place at the end:
     a failed export leaves ``dst`` as it was (:mod:`workbench.checkpoint.destination`).
@@ -455,7 +480,7 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
     """
     if to not in FORMATS:
         raise ValueError(f"unknown format {to!r}; choose one of {list(FORMATS)}")
-    if names not in ("workbench", "hf-llama"):
+    if names not in (None, "workbench", "hf-llama"):
         raise ValueError(f"names={names!r} is unknown; choose 'workbench' or 'hf-llama'")
     include = list(dict.fromkeys(checkpoint_kind(k) for k in include))  # "optim", "Optimizer" -> "optimizer"
     source = open_source(src)
@@ -485,9 +510,27 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
     # existing DST holds may be replaced (workbench.checkpoint.destination).
     target = ExportDestination(dst, _source_paths(src, m), overwrite=overwrite, is_dir=to in ("hf", "dcp"))
     model_cfg = source.model_cfg
-    if names == "hf-llama" and model_cfg is None:
-        raise ValueError(f"names='hf-llama' needs the model config (head counts) and {m.path} does not record it; "
-                         "export with names='workbench'")
+    has_model = any(r["kind"] == "model" for r in rows)
+    if names is None:
+        # to="hf": HF names for this model (a config recorded, or its q/k projections seen); a checkpoint of
+        # some other model keeps its own names, and with no config.json transformers refuses it whole
+        ours = model_cfg is not None or any(_needs_heads(r["key"]) for r in rows)
+        names = "hf-llama" if to == "hf" and ours else "workbench"
+    if names == "hf-llama" and has_model:
+        if model_cfg is None:
+            raise ValueError(f"Hugging Face names (names='hf-llama', the default of --to hf) need the model config "
+                             f"(head counts) and {m.path} does not record it; put its config.json next to it, or "
+                             "export workbench names with --names workbench (names='workbench'), which transformers "
+                             "does not load")
+        if model_cfg.n_experts:
+            raise ValueError(f"{m.path} is a mixture-of-experts model (n_experts={model_cfg.n_experts}), which has "
+                             "no Hugging Face Llama names; export workbench names with --names workbench "
+                             "(names='workbench'), which transformers does not load")
+    if source.names == "hf-llama" and source.model_cfg is None and any(_needs_heads(r["key"]) for r in rows):
+        source.get(next(r["key"] for r in rows if _needs_heads(r["key"])))  # the one-line refusal, before writing
+    if names == "hf-llama" and model_cfg is not None and model_cfg.tie_embeddings:
+        # tied: HF writes the shared matrix once, as embed_tokens (lm_head is tied to it on load)
+        rows = [r for r in rows if r["key"] != "model.output.weight"]
     meta = {"format": "pt", "source": str(m.path), "names": names}
     if m.step is not None:
         meta["step"] = str(m.step)
@@ -559,8 +602,11 @@ def export(src, dst: str | os.PathLike, to: str = "hf", include: Iterable[str] =
                     files.append(f"{prefix}.safetensors.index.json")
                 model_rows = [r for r in rows if r["kind"] == "model"]
                 if model_cfg is not None and model_rows:
+                    from workbench.hf_config import hf_config_dict, workbench_names_config
+
                     dtype = model_rows[0]["dtype"]
-                    (out / "config.json").write_text(json.dumps(_hf_config(model_cfg, dtype), indent=2))
+                    doc = (hf_config_dict if names == "hf-llama" else workbench_names_config)(model_cfg, dtype)
+                    (out / "config.json").write_text(json.dumps(doc, indent=2))
                     files.append("config.json")
             elif to == "safetensors":
                 entries = [(_out_name(r["key"], r["kind"], names), getattr(torch, r["dtype"]), tuple(r["shape"]))

@@ -3,8 +3,16 @@
 **Categories from stack frames** (innermost frame first), unless ``identities`` names the address:
 
 - a frame under ``torch/distributed/checkpoint/`` -> ``checkpoint``; a c10d collective
-  (``distributed_c10d.py``, functional collectives, FSDP's collectives, ``nccl``) -> ``communication``;
-  ``reset_parameters``, ``nn.init``, ``Module._apply/to/cuda/to_empty``, ``fully_shard`` -> ``parameter``.
+  (``distributed_c10d.py``, functional collectives, FSDP's collectives, ``nccl``) -> ``communication``,
+  except FSDP's reduce-scatter buffers (``foreach_reduce``): its output is the sharded gradient
+  (``param.grad`` is a view of it), so what outlives backward into the optimizer is ``gradient``;
+- building (``parameter``): ``reset_parameters``, ``nn.init``, ``Module._apply/to/cuda/to_empty`` (meta
+  init, then ``to_empty``), ``fully_shard`` and FSDP1's init, a layer's constructor in
+  ``torch/nn/modules`` (factory kwargs or a device context), and any ``__init__`` under a device context
+  (``with torch.device("cuda")`` or ``set_default_device``: torch's ``DeviceContext.__torch_function__``
+  is on the stack of every tensor made in it). What the build frees before it ends is ``other``, as the recorder counts it.
+  FSDP2's sharded parameters (``FSDPParam._init_sharded_param``, ``reset_sharded_param``, which FSDP's
+  lazy init also runs in the first forward) are ``parameter`` in any phase.
 - otherwise the *phase* decides, with one lifetime rule: an allocation is a temporary unless it
   outlives the phase that made it into the phase that consumes it (see :mod:`workbench.memory.snapshot`).
 
@@ -26,7 +34,7 @@ import pandas as pd
 from workbench.memory.timeline import CATEGORIES, PHASES, MemoryTimeline, empty_frame
 from workbench.memory.traces import _Stacks
 
-__all__ = ["classify_frames", "frame_facts", "fold_facts", "label_of", "NO_FACTS"]
+__all__ = ["classify_frames", "frame_facts", "fold_facts", "label_of", "NO_FACTS", "REDUCTION"]
 
 _CAT = {c: i for i, c in enumerate(CATEGORIES)}
 _PH = {p: i for i, p in enumerate(PHASES)}
@@ -35,14 +43,20 @@ _PH = {p: i for i, p in enumerate(PHASES)}
 _WRAPPERS = frozenset({"_call_impl", "_wrapped_call_impl", "wrapper", "inner", "decorate_context", "_fn",
                        "<module>", "__call__", "_use_grad", "maybe_fallback", "__torch_function__",
                        "__torch_dispatch__", "_no_grad_wrapper", "<lambda>", "_run_code", "_run_module_as_main"})
-_BUILD_NAMES = frozenset({"reset_parameters", "init_weights", "_init_weights", "fully_shard", "to_empty"})
+_BUILD_NAMES = frozenset({"reset_parameters", "init_weights", "_init_weights", "fully_shard", "to_empty",
+                          "parallelize_module", "distribute_module"})
+# FSDP2's sharded parameter storage (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), in any phase:
+# reset_sharded_param re-pads a shard after _apply/to_empty, and again in the lazy init of the first forward
+_SHARD_INIT = frozenset({"_init_sharded_param", "reset_sharded_param"})
 _MODULE_BUILD = frozenset({"_apply", "to", "cuda", "to_empty", "load_state_dict", "_load_from_state_dict",
                            "register_parameter"})
 _ATEN = re.compile(r"at::_ops::(\w+)::")
 
 
 # What one frame shows, as bits: a stack shows what any of its frames shows
-_CKPT, _COMM, _OPT, _BWD, _FWD, _BUILD, _GRAD, _RECOMPUTE, _USER = (1 << i for i in range(9))
+_CKPT, _COMM, _OPT, _BWD, _FWD, _BUILD, _GRAD, _RECOMPUTE, _USER, _DEVCTX, _CTOR, _PARAM, _REDUCE = (
+    1 << i for i in range(13))
+REDUCTION = "reduction"  # a hint, not a category: gradient if it outlives backward, else communication
 
 
 def frame_facts(filename: str, line: int, name: str) -> tuple[int, str, str, str]:
@@ -71,8 +85,18 @@ def frame_facts(filename: str, line: int, name: str) -> tuple[int, str, str, str
     if not ("/torch/" in f or "site-packages/" in f or f.startswith("<") or f in ("??", "")):
         bits |= _USER
     is_module_py = f.endswith("torch/nn/modules/module.py")
-    if (is_module_py and name in _MODULE_BUILD) or name in _BUILD_NAMES or f.endswith("torch/nn/init.py"):
+    if ((is_module_py and name in _MODULE_BUILD) or name in _BUILD_NAMES or f.endswith("torch/nn/init.py")
+            or (name == "__init__" and "torch/nn/modules/" in f)  # a layer's constructor: its weights
+            or f.endswith("torch/distributed/fsdp/_init_utils.py")):  # FSDP1's flat parameters and shards
         bits |= _BUILD
+    if name == "__torch_function__" and f.endswith("torch/utils/_device.py"):
+        bits |= _DEVCTX  # torch.device(...) as a context manager, or set_default_device
+    if name == "__init__":
+        bits |= _CTOR
+    if name in _SHARD_INIT and f.endswith("_fsdp_param.py"):
+        bits |= _PARAM | _BUILD
+    if name == "foreach_reduce" and f.endswith("_fsdp_collectives.py"):
+        bits |= _REDUCE
     module = ""
     if name == "forward" or (is_module_py and name in ("_call_impl", "_wrapped_call_impl")):
         bits |= _FWD
@@ -97,12 +121,14 @@ NO_FACTS = (0, "", "", "")
 def label_of(facts: tuple[int, str, str, str]) -> tuple[str | None, str | None, str, str]:
     """``(phase, category hint, module, op)`` of a stack's folded facts (see :func:`classify_frames`)."""
     bits, module, op, py_op = facts
+    # a constructor under a device context builds: a module's weights made on the device directly
+    building = bits & _BUILD or (bits & _DEVCTX and bits & _CTOR)
     phase = ("checkpoint" if bits & _CKPT else "optimizer" if bits & _OPT else "backward" if bits & _BWD
-             else "forward" if bits & _FWD else "build" if bits & _BUILD else "other" if bits & _USER
+             else "forward" if bits & _FWD else "build" if building else "other" if bits & _USER
              else None)  # library frames only: a hook, carry on
-    hint = ("checkpoint" if bits & _CKPT else "communication" if bits & _COMM else "gradient" if bits & _GRAD
-            else "activation" if bits & _RECOMPUTE else "parameter" if bits & _BUILD and phase == "build"
-            else None)
+    hint = ("checkpoint" if bits & _CKPT else REDUCTION if bits & _REDUCE else "communication" if bits & _COMM
+            else "gradient" if bits & _GRAD else "activation" if bits & _RECOMPUTE
+            else "parameter" if bits & _PARAM or (building and phase == "build") else None)
     return phase, hint, module, op or py_op
 
 
@@ -112,7 +138,8 @@ def classify_frames(frames: Sequence[tuple[str, int, str]]) -> tuple[str | None,
     ``phase`` is None for an empty stack, or one of library frames only that show no phase (a hook that
     autograd's thread runs): the caller carries the previous phase forward. The hint is a
     category that holds whatever the lifetime rule would say (communication, checkpoint, parameter,
-    gradient for ``AccumulateGrad``), or None."""
+    gradient for ``AccumulateGrad``), :data:`REDUCTION` (FSDP's reduce-scatter buffers: gradient if they
+    outlive backward into the optimizer, else communication), or None."""
     if not frames:
         return None, None, "", ""
     facts = NO_FACTS
@@ -121,13 +148,17 @@ def classify_frames(frames: Sequence[tuple[str, int, str]]) -> tuple[str | None,
     return label_of(facts)
 
 
+_HINT_CODES = {REDUCTION: -2}  # codes below -1 in _Contexts.hint: hints that are not one category
+
+
 class _Contexts:
     """Per context (a snapshot stack, or a profiler's enclosing events): phase code (-1: take the previous
     one), category hint code (-1: lifetime rule), module code and op code into vocabularies."""
 
     def __init__(self, labels: Sequence[tuple[str | None, str | None, str, str]]):
         self.phase = np.array([_PH[p] if p else -1 for p, _, _, _ in labels], dtype=np.int8)
-        self.hint = np.array([_CAT[h] if h else -1 for _, h, _, _ in labels], dtype=np.int8)
+        self.hint = np.array([_HINT_CODES[h] if h in _HINT_CODES else _CAT[h] if h else -1
+                              for _, h, _, _ in labels], dtype=np.int8)
         self.module_vocab: list[str] = [""]
         self.op_vocab: list[str] = ["", "(free)", "(merged)"]
         mv = {"": 0}
@@ -262,14 +293,31 @@ def _label_events(t: np.ndarray, is_alloc: np.ndarray, addr: np.ndarray, size: n
             cat[m] = np.where(free_at[m] > nxt[m], survivor, _CAT["temporary"])
             del nxt
         del m
-    del free_at
     cat[is_alloc & (phase == _PH["checkpoint"])] = _CAT["checkpoint"]
     cat[is_alloc & (phase == _PH["build"])] = _CAT["parameter"]
     if n:
         hint = contexts.hint[ctx]
         hinted = is_alloc & (hint >= 0)
         cat[hinted] = hint[hinted]
-        del hint, hinted
+        # FSDP's reduce-scatter buffers: the output holds the sharded gradients (param.grad views it)
+        # until the optimizer has used them; the input and a copy that dies in backward are the collective's
+        reduction = is_alloc & (hint == _HINT_CODES[REDUCTION])
+        if reduction.any():
+            nxt = _next_true(phase == _PH["optimizer"])
+            cat[reduction] = np.where(free_at[reduction] > nxt[reduction], _CAT["gradient"], _CAT["communication"])
+            del nxt
+        # what the build frees before it ends (a constructor's scratch, the unsharded weights fully_shard
+        # replaces) is not a parameter: "other", as the recorder counts the build's other storages. The
+        # build ends at the next allocation of another phase: a free's stack is wherever the last
+        # reference went (a constructor's own line, without the device context's frame), so frees do not
+        # end it
+        built = is_alloc & (phase == _PH["build"]) & (cat == _CAT["parameter"])
+        if built.any():
+            nxt = _next_true(is_alloc & (phase != _PH["build"]))
+            cat[built & (free_at <= nxt)] = _CAT["other"]
+            del nxt
+        del hint, hinted, reduction, built
+    del free_at
     live = is_alloc & (partner < 0)
     if identities:
         known = {int(k): _CAT[_check_category(v)] for k, v in identities.items()}

@@ -24,8 +24,13 @@ oldest entries are dropped, so a trace usually starts mid-run).
 **Categories from stack frames** (innermost frame first), unless ``identities`` names the address:
 
 - a frame under ``torch/distributed/checkpoint/`` -> ``checkpoint``; a c10d collective
-  (``distributed_c10d.py``, functional collectives, FSDP's collectives, ``nccl``) -> ``communication``;
-  ``reset_parameters``, ``nn.init``, ``Module._apply/to/cuda/to_empty``, ``fully_shard`` -> ``parameter``.
+  (``distributed_c10d.py``, functional collectives, FSDP's collectives, ``nccl``) -> ``communication``,
+  except FSDP's reduce-scatter buffers, whose output holds the sharded gradients: ``gradient`` where
+  it outlives backward into the optimizer;
+- ``parameter``: ``reset_parameters``, ``nn.init``, ``Module._apply/to/cuda/to_empty``, ``fully_shard``,
+  a layer's constructor in ``torch/nn/modules``, any ``__init__`` under a device context
+  (``with torch.device("cuda")``, ``set_default_device``), FSDP2's sharded parameters in any phase; what
+  the build frees before it ends is ``other`` (see :mod:`workbench.memory.labelling`).
 - otherwise the *phase* decides, with one lifetime rule: an allocation is a temporary unless it
   outlives the phase that made it into the phase that consumes it::
 
@@ -35,7 +40,9 @@ oldest entries are dropped, so a trace usually starts mid-run).
                  autograd::Engine, AccumulateGrad (-> gradient)
       optimizer  anything under torch/optim/                    the first event after     -> optimizer
                                                                 this optimizer step
-      (otherwise a temporary; checkpoint -> checkpoint, build -> parameter, other -> other)
+      build      the building frames above                      the next allocation of    -> parameter
+                                                                another phase
+      (otherwise a temporary, or for build other; checkpoint -> checkpoint, other -> other)
 
   An allocation that is never freed counts as surviving. On CUDA, backward runs in autograd's
   device thread, which has no Python frames: an allocation with an empty stack, or with library frames
@@ -78,8 +85,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from workbench.memory.labelling import (_PH, _Contexts, _finish, _join, _label_events, _check_category,
-                                        _RankResult, classify_frames)
+from workbench.memory.labelling import (_HINT_CODES, _PH, REDUCTION, _Contexts, _finish, _join, _label_events,
+                                        _check_category, _RankResult, classify_frames)
 from workbench.memory.plainpickle import _Damaged, _Malformed, _PlainPickle, _Refused, _as_int
 from workbench.memory.synthetic import write_synthetic_snapshot
 from workbench.memory.timeline import CATEGORIES, MemoryTimeline
@@ -380,6 +387,8 @@ def _block_category(contexts: _Contexts, sid: int) -> str:
     hint = int(contexts.hint[sid])
     if hint >= 0:
         return CATEGORIES[hint]
+    if hint == _HINT_CODES[REDUCTION]:  # FSDP's reduce-scatter output still alive: the sharded gradients
+        return "gradient"
     phase = int(contexts.phase[sid])
     return {_PH["build"]: "parameter", _PH["optimizer"]: "optimizer", _PH["backward"]: "gradient",
             _PH["forward"]: "activation", _PH["checkpoint"]: "checkpoint"}.get(phase, "other")

@@ -39,11 +39,65 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (max_seq_len, head_dim/2): angle(t, i) = t * theta^(-2i/head_dim)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_seq_len, head_dim/2): angle(t, i) = t * inv_freq(i), where inv_freq(i) =
+    theta^(-2i/head_dim), rescaled by ``cfg``'s RoPE scaling (:func:`rope_frequencies`) when it is given."""
+    if cfg is None or cfg.rope_type == "default":
+        inv_freq, scale = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+    else:
+        inv_freq, scale = rope_frequencies(cfg)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scale)`` of ``cfg``'s RoPE: the frequencies and cos/sin scale transformers'
+    ``ROPE_INIT_FUNCTIONS`` compute for the same config (``workbench.hf_config`` reads it), op for op, so the
+    tables agree to the bit::
+
+        default, dynamic   theta^(-2i/d)            (dynamic NTK equals it up to rope_original_max_seq_len,
+                                                     which max_seq_len may not pass: workbench.config)
+        linear             theta^(-2i/d) / factor
+        llama3             low frequencies / factor, high ones kept, a smooth ramp between (Llama 3.1)
+        yarn               extrapolated and interpolated frequencies blended by a ramp; cos/sin scaled by
+                           attention_factor (default 0.1 ln(factor) + 1)
+    """
+    d, base, factor, t = cfg.head_dim, cfg.rope_theta, cfg.rope_factor, cfg.rope_type
+    if t in ("default", "dynamic"):
+        return 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)), 1.0
+    if t == "linear":
+        return 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)) / factor, 1.0
+    orig = cfg.rope_original_max_seq_len or cfg.max_seq_len
+    if t == "llama3":
+        inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        low_wavelen, high_wavelen = orig / low, orig / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (orig / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if t == "yarn":
+        attention = cfg.rope_attention_factor
+        if attention is None:
+            attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+        def correction_dim(rotations: float) -> float:
+            return (d * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        lo = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
+        hi = min(math.ceil(correction_dim(cfg.rope_beta_slow)), d - 1)
+        if lo == hi:
+            hi += 0.001  # transformers' guard against a zero-width ramp
+        pos_freqs = base ** (torch.arange(0, d, 2).float() / d)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+        keep = 1 - torch.clamp((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+        return interpolation * (1 - keep) + extrapolation * keep, float(attention)
+    raise ValueError(f"rope_type={t!r} has no frequencies here; choose one of default, linear, dynamic, llama3, yarn")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -131,7 +185,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -144,7 +198,7 @@ class Transformer(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute the rotary tables (not saved in checkpoints; uninitialised after ``to_empty``)."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg)
         with torch.no_grad():
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)

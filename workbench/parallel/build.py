@@ -146,7 +146,13 @@ def materialize(module: nn.Module, cfg: ModelConfig, seed: int, device: torch.de
     block its DTensor placements give it (DTensor's own local shape and global offset); a plain
     tensor keeps all of it. The rotary tables are recomputed.
     """
+    ties = _ties(module)
     module.to_empty(device=device)
+    # to_empty gives every module its own new Parameter, so a shared one (tie_embeddings: the output layer
+    # reads tok_embeddings' weight) would train as two, the output with an init of its own. Share again.
+    for (owner, name), *others in ties:
+        for m, n in others:
+            setattr(m, n, getattr(owner, name))
     offsets = compat.get("compute_local_shape_and_global_offset")
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -164,6 +170,15 @@ def materialize(module: nn.Module, cfg: ModelConfig, seed: int, device: torch.de
             if isinstance(m, Transformer):
                 m.init_buffers()
     return module
+
+
+def _ties(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The parameters registered on more than one (module, name): one list of places per shared one."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in module.modules():
+        for n, p in m.named_parameters(recurse=False):
+            places.setdefault(id(p), []).append((m, n))
+    return [v for v in places.values() if len(v) > 1]
 
 
 def _ddp(module: nn.Module, dp_mesh: DeviceMesh, no_values: bool) -> nn.Module:

@@ -3,6 +3,7 @@
     workbench spmd explain masked_fill.Scalar --mesh 2x2 --in "P,R" --in "R,R"
     workbench spmd explain max.dim --mesh 2 --in "S(1)" --arg dim=1 --arg keepdim=True
     workbench spmd check [--family masked] [--json]          # exit 1 on any failing combination
+    workbench spmd check --source opinfo --rules both        # torch's OpInfo samples; exit 1 where only torch passes
     workbench spmd rules [--family norm] [--json]
 """
 
@@ -47,9 +48,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from workbench.spmd.conformance import check
 
+    if args.source != "opinfo" and (args.opinfo or args.opinfo_samples):
+        return error("--opinfo and --opinfo-samples choose torch's OpInfo samples; add --source opinfo", args.json)
+    if args.source == "opinfo" and (args.family or args.case):
+        return error("--family and --case choose registry cases; with --source opinfo use --opinfo NAME", args.json)
     try:
         report = check(family=args.family, names=args.case or None, cap=None if args.cap == 0 else args.cap,
-                       meshes=tuple(args.mesh or ("1d", "2d")), rules=args.rules, timeout=args.timeout, progress=not args.json)
+                       meshes=tuple(args.mesh or ("1d", "2d")), rules=args.rules, timeout=args.timeout,
+                       progress=not args.json, source=args.source, opinfo=args.opinfo or None,
+                       opinfo_samples=args.opinfo_samples or None)
     except ValueError as exc:
         return error(str(exc), args.json)
     except (TimeoutError, RuntimeError) as exc:
@@ -63,13 +70,22 @@ def cmd_check(args: argparse.Namespace) -> int:
         for fam, d in report.summary().items():
             print(f"{fam:<12} {d['cases']:>3} cases  {d['passed']:>4}/{d['combinations']:<4} combinations pass  "
                   f"{d['comm_bytes']:>9,} bytes sent per rank")
+        if report.rules == "both":
+            v = report.versus()
+            print(f"{v['cases']} combinations under both rule sets: {v['both']} pass with both, {v['ours_only']} with "
+                  f"ours only, {v['torch_only']} with torch's only, {v['neither']} with neither")
         for r in report.failures[:30]:
-            print(f"FAIL {r['case']} [{r['mesh']}] {r['placements']}: {r['error']} (max_err {r['max_err']:.3g})")
+            print(f"FAIL {r['case']} [{r['mesh']}] {r['placements']}: {r['error']} (max_err {r['max_err']:.3g})"
+                  + ("; torch's rules pass it" if report.rules == "both" else ""))
         if len(report.failures) > 30:
             print(f"... and {len(report.failures) - 30} more (--json lists all)")
         n = len(report.rows)
-        print(f"{'ok' if report.ok else 'FAILED'}: {n - len(report.failures)}/{n} combinations pass "
-              f"({report.rules} rules, {report.wall_s:.1f}s)")
+        if report.rules == "both":
+            print(f"{'ok' if report.ok else 'FAILED'}: {len(report.failures)} combinations pass with torch's rules "
+                  f"and fail with ours ({report.wall_s:.1f}s)")
+        else:
+            print(f"{'ok' if report.ok else 'FAILED'}: {n - len(report.failures)}/{n} combinations pass "
+                  f"({report.rules} rules, {report.wall_s:.1f}s)")
     return 0 if report.ok else EXIT_FAILED
 
 
@@ -129,7 +145,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--cap", type=bounded("int", "cap", min=0), default=12,
                    help="placement combinations per case and mesh, sampled to cover each input's placements (0: all)")
     c.add_argument("--mesh", action="append", choices=["1d", "2d"], default=None, help="only this mesh (repeatable)")
-    c.add_argument("--rules", choices=["ours", "torch"], default="ours", help="run under torch's rules instead")
+    c.add_argument("--rules", choices=["ours", "torch", "both"], default="ours",
+                   help="run under torch's rules instead, or both (then exit 1 only where torch's pass and ours fail)")
+    c.add_argument("--source", choices=["registry", "opinfo"], default="registry",
+                   help="cases from our registry, or torch's OpInfo samples of every op we have a rule for "
+                        "(needs the test-only package expecttest)")
+    c.add_argument("--opinfo", action="append", default=[], metavar="NAME",
+                   help="with --source opinfo: only this OpInfo, e.g. nn.functional.layer_norm or "
+                        "max.reduction_with_dim; NAME/INDEX for one sample (repeatable)")
+    c.add_argument("--opinfo-samples", type=bounded("int", "opinfo-samples", min=1), default=None,
+                   help="with --source opinfo: at most this many samples per OpInfo")
     c.add_argument("--timeout", type=seconds("timeout"), default=600.0, help="hard limit in seconds for the whole run")
     c.add_argument("--rows", action="store_true", help="with --json: include every combination, not just failures")
     c.add_argument("--json", action="store_true", help="print one JSON document")

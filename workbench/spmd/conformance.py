@@ -21,6 +21,12 @@ all-Replicate combination always included). ``cap=None`` runs the full product.
     report = check()                 # everything; report.ok, report.to_frame(), rich in a notebook
     report = check(family="masked")
     workbench spmd check [--family F] [--json]
+
+Cases come from our registry (``source="registry"``) or from torch's own op samples
+(``source="opinfo"``: every OpInfo sample of an op we have a rule for, ``workbench.spmd.opinfo``).
+``rules="both"`` walks the same plan under torch's rules, then ours, in the same 4 processes, and
+:meth:`ConformanceReport.versus` counts per combination: passes with both, with ours only, with torch's
+only, with neither. Such a report is ``ok`` when nothing passes with torch's rules alone.
 """
 
 from __future__ import annotations
@@ -106,15 +112,26 @@ def combinations(case, inputs: list, mesh_ndim: int, cap: int | None = DEFAULT_C
                 if isinstance(o[0], Shard) and all(q == o[0] for q in o):
                     need[("multi", i, o)] = None
 
-    def covers(combo) -> set:
-        got = {("one", i, m, p) for i, c in enumerate(combo) for m, p in enumerate(c)}
-        got |= {("multi", i, c) for i, c in enumerate(combo)}
-        return got & need.keys()
+    per_option: list[dict] = [{} for _ in per_input]  # (input, option) -> its items, built once
 
+    def items(combo) -> set:
+        got: set = set()
+        for i, c in enumerate(combo):
+            one = per_option[i].get(c)
+            if one is None:
+                one = per_option[i][c] = frozenset({("one", i, m, p) for m, p in enumerate(c)} | {("multi", i, c)})
+            got |= one
+        return got
+
+    def covers(combo) -> set:
+        return items(combo) & need.keys()
+
+    pool_items = [items(c) for c in pool]  # once: the greedy loop below rescans the pool per pick
     while need:
         best, best_n = None, 0
-        for c in pool:
-            n = len(covers(c))
+        keys = need.keys()
+        for c, got in zip(pool, pool_items):
+            n = len(got & keys)
             if n > best_n:
                 best, best_n = c, n
         if best is None:  # the sampled pool misses it: build a combination for the first missing item
@@ -303,15 +320,40 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=spec["pg_timeout_s"]))
     import workbench.spmd as spmd
 
-    if spec.get("rules", "ours") == "ours":
-        spmd.install()
-
     torch.manual_seed(0)
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
     meshes = {"1d": mesh2["inner"], "2d": mesh2}
-    cases = select_cases(spec["family"], spec["names"])
+    if spec.get("source", "registry") == "opinfo":
+        from workbench.spmd.opinfo import cases as opinfo_cases
+
+        cases = opinfo_cases(spec["opinfo"])
+    else:
+        cases = select_cases(spec["family"], spec["names"])
     steps = plan(cases, spec["cap"], tuple(spec["meshes"]), spec["seed"])
     sink = open(out, "w") if rank == 0 else None
+    if sink is not None:  # the plan is built: from here on a silent minute means a hang (check's stall clock)
+        sink.write(json.dumps({"ready": True}) + "\n")
+        sink.flush()
+    rule_sets = ("torch", "ours") if spec.get("rules", "ours") == "both" else (spec.get("rules", "ours"),)
+    for k, rules in enumerate(rule_sets):
+        first = spec.get("start", 0) - k * len(steps)  # a resumed run (after a hang) skips what is done
+        if first >= len(steps):
+            continue
+        if rules == "ours":
+            spmd.install()
+        else:
+            spmd.uninstall()
+        _walk(steps[max(first, 0):], meshes, spec, sink)
+    if sink is not None:
+        sink.write(json.dumps({"done": True}) + "\n")
+        sink.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _walk(steps: list, meshes: dict, spec: dict, sink) -> None:
+    import workbench.spmd as spmd
+
     refs: dict[str, dict] = {}
     for case, m, combo in steps:
         t0 = time.perf_counter()
@@ -330,11 +372,6 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
                    "rules": "ours" if spmd.installed() else "torch", "time_s": round(time.perf_counter() - t0, 4)}
             sink.write(json.dumps(row) + "\n")
             sink.flush()
-    if sink is not None:
-        sink.write(json.dumps({"done": True}) + "\n")
-        sink.close()
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -348,18 +385,44 @@ class ConformanceReport:
     """Rows of (case, mesh, placements, ok, max_err, comm_bytes, ...), one per combination run."""
 
     rows: list[dict[str, Any]]
-    rules: str  # "ours" or "torch": which rules the ranks ran under
+    rules: str  # "ours", "torch" or "both" (each row says which it ran under)
     wall_s: float
     cap: int | None
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
+        if self.rules == "both":  # the contract: whatever torch's rules get right, ours do too
+            return bool(self.rows) and not self.versus()["torch_only"]
         return bool(self.rows) and all(r["ok"] for r in self.rows)
 
     @property
     def failures(self) -> list[dict[str, Any]]:
+        """Failing rows (with ``rules="both"``: the combinations that pass with torch's rules only)."""
+        if self.rules == "both":
+            return self.versus()["torch_only_rows"]
         return [r for r in self.rows if not r["ok"]]
+
+    def versus(self) -> dict[str, Any]:
+        """Per combination (case, mesh, placements) run under both rule sets: how many pass with both,
+        with ours only, with torch's only, with neither; and the rows of ours for the last three kinds."""
+        by: dict[tuple, dict[str, dict]] = {}
+        for r in self.rows:
+            by.setdefault((r["case"], r["mesh"], r["placements"]), {})[r.get("rules", self.rules)] = r
+        out: dict[str, Any] = {"cases": 0, "both": 0, "ours_only": 0, "torch_only": 0, "neither": 0,
+                               "ours_only_rows": [], "torch_only_rows": [], "neither_rows": []}
+        for pair in by.values():
+            if "ours" not in pair or "torch" not in pair:
+                continue
+            o, t = pair["ours"]["ok"], pair["torch"]["ok"]
+            kind = "both" if o and t else "ours_only" if o else "torch_only" if t else "neither"
+            out["cases"] += 1
+            out[kind] += 1
+            if kind != "both":
+                row = dict(pair["ours"])
+                row["torch_error"] = pair["torch"]["error"]
+                out[f"{kind}_rows"].append(row)
+        return out
 
     def to_frame(self):
         import pandas as pd
@@ -380,9 +443,14 @@ class ConformanceReport:
         return fam
 
     def to_dict(self) -> dict[str, Any]:
-        return {"status": "ok" if self.ok else "failed", "rules": self.rules, "wall_s": self.wall_s,
-                "cap": self.cap, "combinations": len(self.rows), "passed": len(self.rows) - len(self.failures),
-                "summary": self.summary(), "failures": self.failures, "rows": self.rows, **self.meta}
+        doc = {"status": "ok" if self.ok else "failed", "rules": self.rules, "wall_s": self.wall_s,
+               "cap": self.cap, "combinations": len(self.rows), "passed": sum(bool(r["ok"]) for r in self.rows),
+               "summary": self.summary(), "failures": self.failures, "rows": self.rows, **self.meta}
+        if self.rules == "both":
+            v = self.versus()
+            doc["versus"] = {k: v[k] for k in ("cases", "both", "ours_only", "torch_only", "neither")}
+            doc["neither"] = v["neither_rows"]
+        return doc
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), default=str, **kw)
@@ -413,82 +481,163 @@ class ConformanceReport:
 
 def check(family: str | None = None, names: list[str] | None = None, *, cap: int | None = DEFAULT_CAP,
           meshes: tuple[str, ...] = ("1d", "2d"), rules: str = "ours", seed: int = 0,
-          timeout: float = DEFAULT_TIMEOUT_S, progress: bool = True) -> ConformanceReport:
+          timeout: float = DEFAULT_TIMEOUT_S, progress: bool = True, source: str = "registry",
+          opinfo: list[str] | None = None, opinfo_samples: int | None = None) -> ConformanceReport:
     """Run the conformance harness in 4 fresh gloo processes and return the report.
 
     ``rules="torch"`` runs the same plan under torch's default rules (the ranks do not call
-    ``workbench.spmd.install()``): the benchmark's baseline. Raises ``TimeoutError`` (naming the last finished combination)
+    ``workbench.spmd.install()``): the benchmark's baseline; ``rules="both"`` runs torch's, then ours.
+    ``source="opinfo"`` takes the cases from torch's OpInfo samples of our rule ops (``opinfo``: only
+    these OpInfo names; ``opinfo_samples``: at most that many samples each) instead of the registry;
+    ``family`` and ``names`` then do not apply. Raises ``TimeoutError`` (naming the last finished combination)
     if the ranks run past ``timeout`` seconds, and ``RuntimeError`` with the failing rank's last lines
     if a rank crashes.
     """
-    if rules not in ("ours", "torch"):
-        raise ValueError(f"rules={rules!r}; choose 'ours' or 'torch'")
+    if rules not in ("ours", "torch", "both"):
+        raise ValueError(f"rules={rules!r}; choose 'ours', 'torch' or 'both'")
     bad = sorted(set(meshes) - set(MESHES))
     if bad:
         raise ValueError(f"unknown mesh(es) {bad}; choose from {list(MESHES)}")
-    cases = select_cases(family, names)
-    if not cases:
-        raise ValueError(f"no conformance cases registered{' for family ' + repr(family) if family else ''}")
-    total = len(plan(cases, cap, meshes, seed))
-    spec = {"family": family, "names": names, "cap": cap, "meshes": list(meshes), "seed": seed,
-            "pg_timeout_s": 60, "rules": rules}
-    t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="wb-spmd-check-") as tmp:
-        out = Path(tmp) / "rows.jsonl"
-        port = _free_port()
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        procs, logs = [], []
-        for r in range(WORLD):
-            log = open(Path(tmp) / f"rank{r}.log", "w+")
-            logs.append(log)
-            cmd = [sys.executable, "-c", "import json,sys; from workbench.spmd.conformance import _worker; "
-                   "_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])); "
-                   "from workbench.lifeline import exit_now; exit_now(0)",
-                   str(r), str(WORLD), str(port), str(out), json.dumps(spec)]
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-        bar = None
-        if progress:
-            from workbench.progress import tqdm
+    picks = None
+    if source == "opinfo":
+        from workbench import compat
+        from workbench.spmd import opinfo as _opinfo
 
-            bar = tqdm(total=total, desc=f"spmd check ({rules} rules)", unit="combo", leave=False)
-        done = 0
         try:
+            picks = _opinfo.select(opinfo, opinfo_samples)
+        except compat.MissingTorchAPI as e:
+            raise ValueError(str(e)) from None
+        cases = _opinfo.cases(picks)
+        if not cases:
+            raise ValueError("no OpInfo sample reaches an op with a workbench rule")
+    elif source == "registry":
+        cases = select_cases(family, names)
+        if not cases:
+            raise ValueError(f"no conformance cases registered{' for family ' + repr(family) if family else ''}")
+    else:
+        raise ValueError(f"source={source!r}; choose 'registry' or 'opinfo'")
+    steps = plan(cases, cap, meshes, seed)
+    rule_sets = ("torch", "ours") if rules == "both" else (rules,)
+    total = len(steps) * len(rule_sets)
+    spec = {"family": family, "names": names, "cap": cap, "meshes": list(meshes), "seed": seed,
+            "pg_timeout_s": 60, "rules": rules, "source": source, "start": 0,
+            "opinfo": [[p.opinfo, p.index, list(p.ops)] for p in picks] if picks is not None else None}
+    # torch's samples find combinations where a rank hangs in a collective for good (torch's rules, group_norm's
+    # backward on an uneven shard): with no new row for stall_s, the ranks are replaced and the run resumes
+    # after that combination, which counts as failed. Our registry keeps the old contract (a hang is an error).
+    stall_s = 90.0 if source == "opinfo" else None
+    t0 = time.monotonic()
+    rows: list[dict] = []
+    bar = None
+    if progress:
+        from workbench.progress import tqdm
+
+        bar = tqdm(total=total, desc=f"spmd check ({rules} rules)", unit="combo", leave=False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="wb-spmd-check-") as tmp:
+            attempt = 0
             while True:
-                n = _count_rows(out)
-                if bar is not None and n > done:
-                    bar.update(n - done)
-                done = n
-                codes = [p.poll() for p in procs]
-                if any(c not in (None, 0) for c in codes):
-                    r = next(i for i, c in enumerate(codes) if c not in (None, 0))
-                    raise RuntimeError(f"conformance rank {r} exited with code {codes[r]}:\n{_tail(logs[r])}")
-                if all(c == 0 for c in codes):
+                got, hung = _run_ranks(Path(tmp), attempt, spec, t0, timeout, stall_s, total, bar)
+                rows += got
+                if hung is None:
                     break
-                if time.monotonic() - t0 > timeout:
-                    last = _last_row(out)
-                    where = f"after {last['case']} {last['mesh']} [{last['placements']}]" if last else "before any"
-                    raise TimeoutError(f"conformance run passed its {timeout:.0f}s limit ({done}/{total} "
-                                       f"combinations, stuck {where}); rank 0 log:\n{_tail(logs[0])}")
-                time.sleep(0.2)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    pass
-            if bar is not None:
-                bar.close()
-            for log in logs:
-                log.close()
-        rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "done" not in r]
+                case, m, combo = steps[hung % len(steps)]
+                rows.append({"case": case.name, "family": case.family, "ops": [str(o) for o in case.ops], "mesh": m,
+                             "placements": combo_str(combo), "ok": False, "max_err": float("inf"), "fwd_bytes": None,
+                             "bwd_bytes": None, "comm_bytes": None, "bytes_by_kind": {}, "out_placements": None,
+                             "error": f"hang: no result within {stall_s:.0f}s (the ranks were replaced)",
+                             "rules": rule_sets[hung // len(steps)], "time_s": stall_s})
+                if bar is not None:
+                    bar.update(1)
+                spec = dict(spec, start=hung + 1)
+                attempt += 1
+    finally:
+        if bar is not None:
+            bar.close()
     return ConformanceReport(rows=rows, rules=rules, wall_s=round(time.monotonic() - t0, 2), cap=cap,
-                             meta={"family": family, "meshes": list(meshes), "world_size": WORLD,
+                             meta={"family": family, "meshes": list(meshes), "world_size": WORLD, "source": source,
+                                   "cases": len(cases),
                                    "bytes_definition": "per-rank bytes sent, ring algorithm (workbench.spmd.comm)"})
+
+
+def _run_ranks(tmp: Path, attempt: int, spec: dict, t0: float, timeout: float, stall_s: float | None, total: int,
+               bar) -> tuple[list[dict], int | None]:
+    """Run the plan from ``spec["start"]`` in 4 fresh ranks: (rows, None), or (rows so far, index of the
+    step that made no progress for ``stall_s``)."""
+    out = tmp / f"rows{attempt}.jsonl"
+    spec_path = tmp / f"spec{attempt}.json"  # a file: the OpInfo picks outgrow a command line
+    spec_path.write_text(json.dumps(spec))
+    port = _free_port()
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs, logs = [], []
+    for r in range(WORLD):
+        log = open(tmp / f"rank{r}.{attempt}.log", "w+")
+        logs.append(log)
+        cmd = [sys.executable, "-c", "import json,sys; from workbench.spmd.conformance import _worker; "
+               "_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], "
+               "json.loads(open(sys.argv[5]).read())); "
+               "from workbench.lifeline import exit_now; exit_now(0)",
+               str(r), str(WORLD), str(port), str(out), str(spec_path)]
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+    done, hung = 0, None
+    last_progress = time.monotonic()
+    try:
+        while True:
+            n = _count_rows(out)
+            if n > done:
+                if bar is not None:
+                    bar.update(n - done)
+                last_progress = time.monotonic()
+            done = n
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes):
+                r = next(i for i, c in enumerate(codes) if c not in (None, 0))
+                raise RuntimeError(f"conformance rank {r} exited with code {codes[r]}:\n{_tail(logs[r])}")
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() - t0 > timeout:
+                last = _last_row(out)
+                where = f"after {last['case']} {last['mesh']} [{last['placements']}]" if last else "before any"
+                raise TimeoutError(f"conformance run passed its {timeout:.0f}s limit ({spec['start'] + done}/{total} "
+                                   f"combinations, stuck {where}); rank 0 log:\n{_tail(logs[0])}")
+            # (the stall clock starts once rank 0 has built the plan: imports and sampling take minutes under load)
+            if not done and _ready(out):
+                last_progress = max(last_progress, _ready(out))
+            if stall_s is not None and _ready(out) and time.monotonic() - last_progress > stall_s:
+                hung = spec["start"] + done
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        for log in logs:
+            log.close()
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith('{"case"')] \
+        if out.exists() else []
+    return rows, hung
+
+
+_READY: dict[str, float] = {}
+
+
+def _ready(path: Path) -> float:
+    """When the parent first saw rank 0's ready line in ``path`` (monotonic clock), or 0.0."""
+    key = str(path)
+    if key not in _READY:
+        try:
+            with open(path) as f:
+                if f.readline().startswith('{"ready"'):
+                    _READY[key] = time.monotonic()
+        except OSError:
+            pass
+    return _READY.get(key, 0.0)
 
 
 def _count_rows(path: Path) -> int:

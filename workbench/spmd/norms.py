@@ -454,6 +454,33 @@ def group_norm_backward(op_call, args, kwargs):
             _wrap(gb.to(wdtype), mesh, grad_pl, (C,)) if mask[2] and gb is not None else None)
 
 
+@handler(aten.unsqueeze_.default, family="norm", multi_shard=None,
+         summary="in-place unsqueeze_ on DTensors (torch has no rule: group_norm's backward through its "
+                 "mean/rstd outputs raised on every placement); local, no bytes")
+def unsqueeze_inplace(op_call, args, kwargs):
+    """``x.unsqueeze_(d)``: the local shard gets the new size-1 dim, a Shard past ``d`` moves up one dim.
+
+    Autograd's backward of ``native_group_norm`` when its ``mean``/``rstd`` outputs get gradients too
+    (``infinitely_differentiable_native_group_norm_backward``, C++) calls ``unsqueeze_`` on DTensors, for
+    which torch 2.13 has no rule. Giving it ``unsqueeze``'s rule is not enough: DTensor's in-place path
+    returns the tensor unchanged when the placements are (a Replicate input), leaving the wrapper's shape
+    behind its local tensor's. So the spec and the wrapper's metadata are updated here.
+    """
+    from workbench.compat import return_and_correct_aliasing
+
+    x, dim = args[0], args[1]
+    if kwargs or not isinstance(x, DTensor) or any(
+            type(p) is not Shard and not isinstance(p, (Replicate, Partial)) for p in x.placements):
+        return torch_dispatch(op_call, args, kwargs)
+    d = dim % (x.ndim + 1)
+    pls = tuple(Shard(p.dim + 1) if type(p) is Shard and p.dim % x.ndim >= d else p for p in x.placements)
+    shape = torch.Size(list(x.shape[:d]) + [1] + list(x.shape[d:]))
+    stride = torch.empty_strided(x.shape, x.stride(), device="meta").unsqueeze(d).stride()
+    x._local_tensor.unsqueeze_(d)
+    x._spec = DTensorSpec(x.device_mesh, pls, tensor_meta=TensorMeta(shape, stride, x.dtype))
+    return return_and_correct_aliasing(op_call, args, kwargs or {}, x)
+
+
 # --------------------------------------------------------------------------------------------------
 # layer_norm / rms_norm with the NORMALISED dims sharded (torch's rules cover the row shardings)
 # --------------------------------------------------------------------------------------------------
@@ -541,10 +568,13 @@ def _row_backward(go, x, k, mean, rstd, w, mask, centred):
     # dw, db sum over rows: sharded like the weight, partial over the mesh dims that split rows
     grad_pl = tuple(Partial("sum") if i in lay.rows else p for i, p in enumerate(lay.param()))
     rows = list(range(lay.axis))
+    # With every dim normalised there are no rows to sum over, and ``sum([])`` would sum over ALL dims
+    # (a 0-d shard of a [*D] gradient, which full_tensor() and optimizers then refuse): keep it as is.
+    over_rows = (lambda t: t.sum(rows)) if rows else (lambda t: t)  # noqa: E731
     wdtype = w.dtype if w is not None else x.dtype
     dshape = tuple(x.shape[lay.axis:])
-    gw = _wrap((ga * xhat).sum(rows).to(wdtype), mesh, grad_pl, dshape) if w is not None and mask[1] else None
-    gb = _wrap(ga.sum(rows).to(wdtype), mesh, grad_pl, dshape) if centred and len(mask) > 2 and mask[2] else None
+    gw = _wrap(over_rows(ga * xhat).to(wdtype), mesh, grad_pl, dshape) if w is not None and mask[1] else None
+    gb = _wrap(over_rows(ga).to(wdtype), mesh, grad_pl, dshape) if centred and len(mask) > 2 and mask[2] else None
     return gi, gw, gb
 
 
@@ -717,6 +747,14 @@ case(Case(name="norm/layer_norm/last_two_dims", family="norm",
           ops=(aten.native_layer_norm.default, aten.native_layer_norm_backward.default),
           make_inputs=lambda gen: [torch.randn(_LN_X, generator=gen)],
           fn=lambda x: F.layer_norm(x, _LN_X[1:]), requires_grad=(0,), **_TOL))
+# Every dim normalised (no rows): the weight and bias gradients are [*D] with nothing to sum over; the
+# old rule summed over an empty dim list, i.e. over everything, and returned 0-d shards (issue 29 row 8).
+_LN_ALL = (4, 6, 5)
+case(Case(name="norm/layer_norm/all_dims", family="norm",
+          ops=(aten.native_layer_norm.default, aten.native_layer_norm_backward.default),
+          make_inputs=lambda gen: [torch.randn(_LN_ALL, generator=gen), torch.rand(_LN_ALL, generator=gen) + 0.5,
+                                   torch.randn(_LN_ALL, generator=gen)],
+          fn=lambda x, w, b: F.layer_norm(x, _LN_ALL, w, b), requires_grad=(0, 1, 2), **_TOL))
 case(Case(name="norm/rms_norm/last_dim", family="norm",  # reaches _fused_rms_norm on GPU; decomposes on CPU
           ops=(aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default),
           make_inputs=lambda gen: _ln_inputs(gen)[:2], fn=lambda x, w: F.rms_norm(x, (_LN_X[-1],), w, eps=1e-6),

@@ -179,6 +179,19 @@ class Run(RendersInNotebook):
             return parse_step(self._resume_target.name) or 0
         return 0
 
+    @property
+    def init_from(self) -> dict[str, Any] | None:
+        """Where the weights came from in a run started with ``init_from`` (None otherwise): the HF directory,
+        and once the ranks have loaded it, the first rank's ``files``, ``tensors`` and ``load_s``, and the
+        bytes each rank read (its own shard's rows: ``bytes_read`` by rank)."""
+        if self.job.train.init_from is None:
+            return None
+        loaded = sorted((e for e in self._all_events() if e["type"] == "init_from"), key=lambda e: e["rank"])
+        fields = {k: v for k, v in (loaded[0] if loaded else {}).items() if k not in ("type", "rank", "time")}
+        if loaded:
+            fields["bytes_read"] = {e["rank"]: e.get("bytes_read") for e in loaded}
+        return {"path": self.job.train.init_from, **fields}
+
     def _run_end(self) -> dict[str, Any] | None:
         for e in reversed(self._all_events()):
             if e["type"] == "run_end" and e["rank"] == LAUNCHER_RANK:
@@ -304,6 +317,8 @@ class Run(RendersInNotebook):
         resumed = self.resumed
         if resumed is not None:
             out["resumed_from"] = resumed.to_dict()
+        if self.job.train.init_from is not None:
+            out["init_from"] = self.init_from
         if self.job.nodes:
             out["nodes"] = self.nodes()
         if len(df):
@@ -405,6 +420,10 @@ def build_job(
     validate(mcfg, pcfg)  # model-shape problems first: they don't depend on nproc
     pcfg = pcfg.resolved(None if nproc is None else nproc * nnodes)
     validate(mcfg, pcfg, tcfg)
+    if tcfg.init_from is not None:  # the HF directory checked against the model now (headers only), made absolute
+        from workbench.checkpoint.hf_init import check_init_from
+
+        tcfg = dataclasses.replace(tcfg, init_from=check_init_from(tcfg.init_from, mcfg)["path"])
     world = pcfg.world_size
     if world % nnodes:
         raise ValueError(f"the layout {pcfg.describe()} has {world} ranks, which {nnodes} nodes cannot share "
@@ -642,6 +661,30 @@ def launch(
     if nodes is not None:
         job = dataclasses.replace(job, nodes=nodes)
     run_dir = Path(out) if out is not None else _default_run_dir()
+    job, resume_target = prepare_run_dir(job, run_dir, overwrite=overwrite, adopt_ckpt_dir=adopt_ckpt_dir, task=task)
+    log_path = run_dir / "launcher.log"
+    env = agent_env(job)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "workbench.train.agent", str(run_dir), str(_local_ranks(job))],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # its own process group: stop() reaches torchrun and every rank
+        )
+    return Run(job, run_dir, proc, log_path, resume_target)
+
+
+def prepare_run_dir(job: JobConfig, run_dir: Path, *, overwrite: bool = False, adopt_ckpt_dir: bool = False,
+                    task: "Task | None" = None) -> tuple[JobConfig, Path | None]:
+    """Make ``run_dir`` this job's, as :func:`launch` describes (refusals first, one ValueError each; then
+    the earlier run cleared if ``overwrite``, the directories claimed, ``config.json`` written): what
+    ``launch`` does before it starts torchrun, and what rank 0 does under plain torchrun
+    (:mod:`workbench.train.torchrun_rank`). Returns the job as the ranks will read it (checkpoint paths made
+    absolute) and the checkpoint it resumes from (None when it does not)."""
+    if task is not None and job.train.init_from is not None:
+        raise ValueError(f"init_from loads a language model's weights; the {task.name} task does not take them")
     check_reusable(run_dir, resume=job.train.resume is not None, overwrite=overwrite)
     expected = (task.model_state(job) if task is not None and task.model_state is not None
                 and job.train.resume is not None else None)
@@ -662,18 +705,7 @@ def launch(
         (run_dir / TASK_FILE).write_text(json.dumps({"name": task.name, "entry": task.entry}))
     else:
         (run_dir / TASK_FILE).unlink(missing_ok=True)
-    log_path = run_dir / "launcher.log"
-    env = agent_env(job)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "workbench.train.agent", str(run_dir), str(_local_ranks(job))],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,  # its own process group: stop() reaches torchrun and every rank
-        )
-    return Run(job, run_dir, proc, log_path, resume_target)
+    return job, resume_target
 
 
 __all__ = ["launch", "build_job", "Run", "RunFailed", "RunDirInUse", "EventReader", "Task"]

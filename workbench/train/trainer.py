@@ -147,6 +147,10 @@ def train(job: JobConfig, run_dir: str) -> None:
                     compiled_blocks=sum(compiled_blocks(m) for m in stages.modules), precision=precision,
                     flops_per_token=flops_per_token, peak_flops_per_s=peak)
 
+        if tcfg.init_from:  # HF weights over the seeded init; optimizer and step stay fresh (hf_init)
+            from workbench.checkpoint.hf_init import load_hf_weights
+
+            events.emit("init_from", **load_hf_weights(model, tcfg.init_from, mcfg))  # each rank: what it read
         ema = EMA(model_view(model), tcfg.ema) if tcfg.ema else None
         state = TrainState(model, opt, sched, ema, rank=rank)
         ckpt = _checkpointing(job, run_dir, events, world)

@@ -52,6 +52,23 @@ def _task_entry(run_dir: str) -> tuple[str, str] | None:
     return module, function
 
 
+def _layout_refusal(job: JobConfig, run_dir: str) -> str | None:
+    """Why this process cannot train ``job`` in the layout its config.json names (its rank count is not
+    torchrun's WORLD_SIZE), or None."""
+    from workbench.train.group import check_world_size
+
+    n, world = job.parallel.world_size, os.environ.get("WORLD_SIZE") or "1"
+    if not world.isdigit():
+        return f"WORLD_SIZE={world!r} is not a number of processes; start the worker under torchrun, which sets it"
+    try:
+        check_world_size(job.parallel, int(world),
+                         f"start {n} process{'es' if n != 1 else ''} (torchrun --nproc-per-node {n} -m "
+                         f"workbench.train.worker {run_dir}), or let `workbench train` start the ranks it needs")
+    except ValueError as e:
+        return f"{os.path.join(run_dir, 'config.json')}: {e}"
+    return None
+
+
 def rank_main(run_dir: str) -> int:
     """One rank, in a process torchrun forked from the agent: as ``python -m workbench.train.worker``.
 
@@ -75,17 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = argv[0]
     follow_parent(signal.SIGKILL)  # if torchrun itself is killed, do not linger as an orphan
     from workbench.train.events import EventWriter
-    from workbench.train.trainer import train
 
     rank = int(os.environ.get("RANK", "0"))
     try:
         job = JobConfig.load(os.path.join(run_dir, "config.json"))
+        refusal = _layout_refusal(job, run_dir)
+        if refusal is not None:
+            with EventWriter(run_dir, rank) as ev:
+                ev.emit("error", message=refusal, traceback="")
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank refuses; one line per machine says why
+                print(f"error: {refusal}", file=sys.stderr)
+            return 2
         entry = _task_entry(run_dir)  # another loop on these ranks (workbench.train.launcher.Task)
         if entry is not None:
             import importlib
 
             getattr(importlib.import_module(entry[0]), entry[1])(job, run_dir)
         else:
+            from workbench.train.trainer import train  # after the checks: a refusal need not load the trainer
+
             train(job, run_dir)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the event stream
         if isinstance(exc, KeyboardInterrupt):

@@ -68,7 +68,7 @@ from workbench.widgets.plotly_view import PlotView
 from workbench.widgets.static import view_bundle
 
 # The training settings the dashboard shows controls for (every ParallelConfig setting gets one).
-TRAIN_CONTROLS = ("data", "steps", "global_batch", "seed", "device")
+TRAIN_CONTROLS = ("data", "steps", "global_batch", "seed", "device", "init_from")
 PLOT_PX, LEGEND_ROW_PX = 280, 16  # a metric figure's plot area, and what each legend entry adds above it
 WAIT_TICK_S = 0.05  # how often wait() looks at the run and the page's messages: a click acts within it
 STOP_DRAWN_S = 5.0  # stop() returns once the end is drawn, or after this long if the follow thread lags
