@@ -104,7 +104,7 @@ _ACTIVE_DRAWN = """([sel, plots, needData]) => {
   }
   return !!w.querySelector('.pw-content svg, .pw-content table');
 }"""
-_WITH_DATA = "() => Array.from(document.querySelectorAll('.js-plotly-plot')).filter(p => (p.data || []).length > 0).length"
+_WITH_DATA = "sel => Array.from(document.querySelectorAll(sel)).filter(p => (p.data || []).length > 0).length"
 _STATE = """sel => { const w = window.jupyterapp.shell.currentWidget;
   return {title: w.title.label, plots: w.node.querySelectorAll(sel).length,
           text: w.node.innerText.slice(0, 200)}; }"""
@@ -188,8 +188,7 @@ def measure(transport: str, notebooks: int, per_kind: int, log) -> dict:
                 except Exception:  # playwright's TimeoutError: say which tab and what it holds, and go on
                     not_drawn.append(page.evaluate(_STATE, sel))
             all_s = time.perf_counter() - t0
-            with_data = page.evaluate(_WITH_DATA) if transport == "FigureWidget" else page.evaluate(
-                "() => Array.from(document.querySelectorAll('.pw-plot')).filter(p => (p.data || []).length > 0).length")
+            with_data = page.evaluate(_WITH_DATA, sel)
             cdp = page.context.new_cdp_session(page)
             cdp.send("Performance.enable")
             metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}

@@ -97,31 +97,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TimeoutError as e:
         return error(str(e), args.json, EXIT_FAILED)
 
-    summary = run.summary()
-    err = run.error
-    if args.json:
-        losses = {int(r): g["loss"].tolist() for r, g in run.metrics.groupby("rank")} if len(run.metrics) else {}
-        summary["losses"] = losses
-        if err is not None:
-            summary["error"] = {"rank": err.rank, "message": err.message, "traceback": err.traceback,
-                                **({"node": err.node, "ranks": err.ranks} if err.node is not None else {})}
-        emit_json(summary)
-    elif err is not None:
-        if err.traceback:
-            print(err.traceback.rstrip(), file=sys.stderr)
-        print(f"error: {err}  (logs: {run.log_path})", file=sys.stderr)
-    else:
-        nodes = summary.get("nodes")
-        if nodes:
-            print(f"node {nodes['node_rank']} of {nodes['nnodes']} (ranks {_span(nodes.get('ranks'))}, "
-                  f"world size {nodes['world_size']}):", end=" ")
-        resumed = summary.get("resumed_from")
-        print(f"done: {summary['steps_logged']} steps"
-              + (f" (steps {resumed['step']}-{run.job.train.steps - 1}, resumed)" if resumed else "")
-              + f", loss {summary.get('first_loss', float('nan')):.4f} -> "
-              f"{summary.get('final_loss', float('nan')):.4f}, {summary.get('tokens_per_s', 0):.0f} tokens/s"
-              + (f", MFU {summary['mfu']:.2f}" if summary.get("mfu") is not None else "")
-              + f"; events in {run.run_dir / 'events.jsonl'}")
+    from workbench.train.outcome import print_outcome
+
+    print_outcome(run, args.json)
     if run.status == "succeeded":
         return 0
     return EXIT_FAILED
@@ -135,12 +113,6 @@ def _default_out(node_rank: int | None) -> Path:
         n += 1
         out = Path("runs") / f"{base}-{n}"
     return out
-
-
-def _span(ranks) -> str:
-    from workbench.train.outcome import rank_span
-
-    return rank_span(ranks) if ranks else "?"
 
 
 def _check_deadline(run, deadline: tuple[float, float] | None) -> None:

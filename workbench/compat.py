@@ -156,7 +156,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
             requires=("spmd.registry",)),
     Feature("spmd.norms", "SPMD rule family 'norms'",
             ("funcol", "AsyncCollectiveTensor", "DTensorSpec", "TensorMeta", "redistribute_local_tensor",
-             "StridedShard"),
+             "StridedShard", "return_and_correct_aliasing"),
             requires=("spmd.registry", "spmd.reductions"), min_torch="2.13",
             older="a DTensor rule for batch_norm, and a view rule that keeps a channel-sharded instance_norm sharded"),
     Feature("spmd.indexing", "SPMD rule family 'indexing'",

@@ -229,14 +229,14 @@ def _check_rope(cfg: "ModelConfig") -> None:
                          f"not; choose max_seq_len <= {orig}")
 
 
-def _read_json_object(p: Path, what: str = "a Hugging Face config.json") -> Any:
-    """A config.json's JSON through the safe-reader layer (:mod:`workbench.safeio`): a regular file of at
+def _read_json_object(p: Path, what: str) -> Any:
+    """A run's config.json through the safe-reader layer (:mod:`workbench.safeio`): a regular file of at
     most ``CONFIG_MAX`` bytes (a FIFO would block the open, /dev/zero never ends), UTF-8, not nested past
-    the parser's depth; one ValueError naming the file otherwise."""
+    the parser's depth; one ValueError naming the file otherwise. (A Hugging Face config.json goes through
+    :mod:`workbench.hf_config`.)"""
     from workbench.safeio import CONFIG_MAX, read_json
 
-    fix_missing = f"pass a preset name or {what}" if "Hugging Face" in what else f"pass {what}"
-    return read_json(p, CONFIG_MAX, "config.json", fix="fix or re-download the file", fix_missing=fix_missing)
+    return read_json(p, CONFIG_MAX, "config.json", fix="fix or re-download the file", fix_missing=f"pass {what}")
 
 
 PRESETS: dict[str, ModelConfig] = {

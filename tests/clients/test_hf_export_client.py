@@ -207,7 +207,9 @@ def test_llama31_config_as_transformers_4_wrote_it(tmp_path, capsys):
     {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 32},
     {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0},
-], ids=["default", "llama3", "yarn"])
+    {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+    {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+], ids=["default", "llama3", "yarn", "linear", "dynamic"])
 def test_config_as_transformers_5_writes_it(rope, tmp_path, capsys):
     """save_pretrained of transformers 5 itself: rope_theta inside rope_parameters (before, read as 10000),
     head_dim, tie_word_embeddings, attention_bias and mlp_bias written out."""

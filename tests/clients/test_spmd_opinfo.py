@@ -16,6 +16,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 
 from workbench import compat
 
@@ -94,8 +95,11 @@ def test_opinfo_selection_covers_our_rule_ops_and_is_deterministic():
     assert "aten.native_layer_norm_backward.default" in by["native_layer_norm"][0].ops
     assert any(o.startswith("aten.masked_fill") for o in by["masked_fill"][0].ops)
     # Every rank rebuilds the same inputs from the pick alone.
+    state = torch.get_rng_state()
     case = opinfo.make_case(by["nn.functional.group_norm"][0])
-    again = opinfo.make_case(opinfo.Pick(*json.loads(json.dumps([case.name.split("/")[1], 4, []]))[:2], ()))
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's generator is left alone
+    opinfo._samples.cache_clear()  # built again, not the cached tensors
+    again = opinfo.make_case(opinfo.Pick("nn.functional.group_norm", 4, ()))
     for a, b in zip(case_inputs(case), case_inputs(again)):
         assert a.shape == b.shape and bool((a == b).all())
     assert case.requires_grad == (0, 1, 2)  # x, weight, bias: the sample's own requires_grad
@@ -111,3 +115,16 @@ def test_cli_refuses_bad_opinfo_requests_in_one_line(workbench_cli):
     assert p.returncode == 2 and p.stdout == ""
     line = p.stderr.strip()
     assert line.startswith("error:") and "\n" not in line and ("no_such_op" in line or "OpInfo" in line), p.stderr
+
+
+def test_a_report_of_both_rule_sets_counts_our_rows():
+    """Under rules="both" every combination has a row per rule set; the counts shown are ours (before, a
+    combination failing under both rule sets showed as "2/2 combinations pass")."""
+    from workbench.spmd.conformance import ConformanceReport
+
+    row = {"case": "c", "family": "norms", "mesh": "(2,)", "placements": "S(0)", "ok": False, "max_err": None,
+           "fwd_bytes": 0, "bwd_bytes": 0, "comm_bytes": 0, "out_placements": None, "error": "x"}
+    report = ConformanceReport([{**row, "rules": "torch"}, {**row, "rules": "ours"}], "both", 1.0, 4)
+    assert "0/1 combinations pass" in repr(report) and "0/1 combinations pass" in report._repr_html_()
+    assert report.summary()["norms"]["combinations"] == 1 and list(report.to_frame()["rules"]) == ["torch", "ours"]
+    assert report.ok  # nothing passes with torch's rules only

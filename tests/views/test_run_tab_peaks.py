@@ -78,3 +78,20 @@ def test_cuda_mem_bytes_is_the_allocator_peak_and_memory_events_win(tmp_path):
         w.emit("step", step=0, loss=1.0, tokens_per_s=1.0, step_time_s=0.1, mem_bytes=300 * MiB)
     s = run_events(tmp_path, plain)["summary"]
     assert "peak_mem_bytes" not in s and s["rss_bytes"] == 300 * MiB and s["memory"][0]["peak_mem_bytes"] is None
+
+
+def test_run_summary_gives_the_same_peak_and_rss_as_the_run_tab(tmp_path):
+    """``Run.summary()`` (``workbench train --json``, and rank 0 under plain torchrun) follows the run tab's
+    rule: the recorded peak as ``peak_mem_bytes``, the resident set only as ``rss_bytes``."""
+    import subprocess
+    import sys
+
+    from workbench.train.launcher import Run, build_job
+
+    d = _pp_run(tmp_path / "pp")
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])  # a real, already finished process
+    proc.wait(30)
+    summary = Run(build_job("tiny", nproc=2, pp=2, steps=2), d, proc, d / "launcher.log").summary()
+    tab = run_events(tmp_path, d, points=10)["summary"]
+    assert (summary["peak_mem_bytes"], summary["rss_bytes"]) == (42 * MiB, 359 * MiB)
+    assert (summary["peak_mem_bytes"], summary["rss_bytes"]) == (tab["peak_mem_bytes"], tab["rss_bytes"])

@@ -365,7 +365,7 @@ def _config_problem(m: CheckpointManifest) -> str | None:
         return None
     try:
         ModelConfig.from_hf_config(confine(base, "config.json", base, "model config", error=CheckpointFormatError))
-    except (ValueError, CheckpointFormatError) as e:
+    except ValueError as e:
         return str(e).splitlines()[0][:300] if str(e).strip() else type(e).__name__
     return None
 

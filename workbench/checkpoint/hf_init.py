@@ -17,7 +17,8 @@ Two halves, one rule each:
   reads from the file only the rows that shard covers (``pread`` at the header's offsets), undoes the
   q/k rotary permutation (HF rotates the halves of each head, this model the pairs; whole heads are read
   for q/k so a shard boundary inside a head still permutes right), and copies the slice into place.
-  A rank holds at most ``_CHUNK_BYTES`` of rows (or one q/k head) at a time, never a whole checkpoint.
+  A rank reads at most ``_CHUNK_BYTES`` of rows (or one q/k head) at a time (q/k: plus one permuted copy),
+  never a whole checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from workbench.checkpoint.contents import inspect
-from workbench.checkpoint.formats import _pread_exact, to_hf_llama_name
+from workbench.checkpoint.formats import _heads_for, _pread_exact, _rope_permute, to_hf_llama_name
 from workbench.checkpoint.safeload import CheckpointFormatError
 from workbench.safeio import CONFIG_MAX, confine, open_regular, regular_size
 
@@ -81,17 +82,13 @@ def hf_model_config(path: str | os.PathLike):
         raise ValueError(" ".join(str(e).split())) from None
 
 
-# config.json's key for a ModelConfig field, where the names differ (the message names the file's own key)
-_HF_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-            "n_kv_heads": "num_key_value_heads", "ffn_hidden": "intermediate_size", "norm_eps": "rms_norm_eps",
-            "tie_embeddings": "tie_word_embeddings"}
-
-
 def _compare(hf_cfg, model_cfg, where: Path) -> None:
+    from workbench.hf_config import HF_KEYS  # config.json's key for a ModelConfig field: the message names it
+
     for name in math_fields():
         a, b = getattr(hf_cfg, name), getattr(model_cfg, name)
         if a != b:
-            key = _HF_KEYS.get(name, name)
+            key = HF_KEYS.get(name, name)
             there = f"{key}={a!r}" + (f" (the model's {name})" if key != name else "")
             raise ValueError(f"{where}: {there} there, but the model being trained has {name}={b!r}; "
                              f"{_FIX_CONFIG}, or use HF weights of this model's shape")
@@ -210,15 +207,7 @@ class _Reader:
             fh.close()
 
 
-def _heads(fqn: str, model_cfg) -> int | None:
-    if fqn.endswith("attention.wq.weight"):
-        return model_cfg.n_heads
-    if fqn.endswith("attention.wk.weight"):
-        return model_cfg.n_kv_heads
-    return None
-
-
-_CHUNK_BYTES = 64 << 20  # rows read at once: a rank's memory for loading stays about this, whatever the tensor
+_CHUNK_BYTES = 64 << 20  # rows read at once, whatever the tensor (q/k: plus one permuted copy of them)
 
 
 def _copy_box(reader: _Reader, fqn: str, row: dict, local: torch.Tensor, shape: tuple[int, ...],
@@ -230,7 +219,7 @@ def _copy_box(reader: _Reader, fqn: str, row: dict, local: torch.Tensor, shape: 
         local.copy_(reader.rows(row, 0, 1).reshape(()))
         return
     r0, r1 = offsets[0], offsets[0] + shape[0]
-    heads = _heads(fqn, model_cfg)
+    heads = _heads_for(fqn, model_cfg)
     # q/k: workbench row h*d + 2k + s is HF row h*d + s*d/2 + k, so rows are read in whole heads (a shard
     # boundary inside a head still permutes right); other tensors row by row
     unit = row["shape"][0] // heads if heads else 1
@@ -241,7 +230,7 @@ def _copy_box(reader: _Reader, fqn: str, row: dict, local: torch.Tensor, shape: 
         b = min(a + per, end)
         block = reader.rows(row, a, b)
         if heads:
-            block = block.view((b - a) // unit, 2, unit // 2, -1).transpose(1, 2).reshape(block.shape)
+            block = _rope_permute(block.reshape(b - a, -1), (b - a) // unit, to_hf=False).view(block.shape)
         lo, hi = max(a, r0), min(b, r1)
         piece = block[lo - a:hi - a]
         for dim in range(1, len(shape)):

@@ -175,12 +175,6 @@ def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
                                fix="the checkpoint is damaged; restore it or use another step")
     except CheckpointFormatError as e:
         if e.reason == "missing":
-            if parse_step(Path(ckpt_dir).name) is None and (Path(ckpt_dir) / ".metadata").is_file():
-                # not a step directory a run saves (and a save can leave incomplete), but plain DCP, e.g.
-                # `ckpt convert HF_DIR OUT --to dcp`: model weights only, nothing a resume restores
-                raise ValueError(f"{ckpt_dir}: plain DCP without {MANIFEST} (e.g. `ckpt convert --to dcp` output) "
-                                 "holds weights only, no optimizer state, step or RNG to resume; to start training "
-                                 "from Hugging Face weights pass their directory with --init-from HF_DIR") from None
             raise ValueError(f"{ckpt_dir}: no {MANIFEST}; the checkpoint is incomplete (its save was interrupted)") from None
         raise
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -572,10 +566,16 @@ def resolve_checkpoint(spec: str | Path, default_root: str | Path | None = None,
                          "directory, a step-NNNNNN directory or its latest file")
     if (root / MANIFEST).exists() or (root / ".metadata").exists():  # a checkpoint directory itself
         if complete:
+            if not (root / MANIFEST).exists() and parse_step(root.name) is None and (root / ".metadata").is_file():
+                # not a step directory a run saves (and a save can leave incomplete), but plain DCP, e.g.
+                # `ckpt convert HF_DIR OUT --to dcp`: model weights only, nothing a resume restores
+                raise ValueError(f"cannot resume from {root}: plain DCP without {MANIFEST} (e.g. `ckpt convert "
+                                 "--to dcp` output) holds weights only, no optimizer state, step or RNG to resume; "
+                                 "to start training from Hugging Face weights pass their directory with "
+                                 "--init-from HF_DIR")
             ok, why = is_complete(root, verify_checksums)
             if not ok:
-                fix = "" if "--init-from" in why else "; pick another step directory"  # plain DCP: says its fix
-                raise ValueError(f"cannot resume from {root}: {why}{fix}")
+                raise ValueError(f"cannot resume from {root}: {why}; pick another step directory")
         return root
     for cand in (root, root / "checkpoints"):
         store = CheckpointStore(cand)

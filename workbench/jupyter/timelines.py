@@ -364,7 +364,6 @@ def _overlay_job(root: Path, p: Path, wait: float) -> _Job:
 def _bands(spans: list[dict], d: _Rank, clock: str) -> list[dict]:
     """Phase spans as the view draws them: x on the plot's clock, the phase's colour, and the opacity of
     its microbatch (even or odd), the notebook view's rule."""
-
     if not spans:
         return []
     t0 = np.array([s["t0"] for s in spans], dtype=np.float64)

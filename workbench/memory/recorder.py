@@ -408,8 +408,9 @@ class MemoryRecorder:
 
         class Recording(compat.get("TorchDispatchMode")):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                rows = len(rec._builder.rows) if rec.blocks is not None else 0  # only the fold reads it
+                rows = 0  # only the fold reads it
                 if rec.blocks is not None:
+                    rows = len(rec._builder.rows)
                     rec._note_inputs(rows, args, kwargs)
                 out = func(*args, **(kwargs or {}))
                 if out is None or isinstance(out, (torch.device, torch.dtype, int, float, bool)):

@@ -43,20 +43,18 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float,
                 cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (max_seq_len, head_dim/2): angle(t, i) = t * inv_freq(i), where inv_freq(i) =
     theta^(-2i/head_dim), rescaled by ``cfg``'s RoPE scaling (:func:`rope_frequencies`) when it is given."""
-    if cfg is None or cfg.rope_type == "default":
+    if cfg is None:
         inv_freq, scale = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
     else:
         inv_freq, scale = rope_frequencies(cfg)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    if scale == 1.0:
-        return angles.cos(), angles.sin()
     return angles.cos() * scale, angles.sin() * scale
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """``(inv_freq, attention_scale)`` of ``cfg``'s RoPE: the frequencies and cos/sin scale transformers'
-    ``ROPE_INIT_FUNCTIONS`` compute for the same config (``workbench.hf_config`` reads it), op for op, so the
-    tables agree to the bit::
+    ``ROPE_INIT_FUNCTIONS`` compute for the same config (``workbench.hf_config`` reads it), op for op
+    (inv_freq equals transformers' bit for bit: tests/clients/test_hf_export_client.py, every type)::
 
         default, dynamic   theta^(-2i/d)            (dynamic NTK equals it up to rope_original_max_seq_len,
                                                      which max_seq_len may not pass: workbench.config)

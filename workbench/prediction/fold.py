@@ -77,7 +77,6 @@ def fold_plan(job: Any, rank: int) -> FoldPlan | None:
     parallelism through DDP or ZeRO-1 (their gradient buckets and optimizer partitions cut across
     blocks), several stages per rank, selective activation checkpointing of every k-th block (k > 1:
     blocks alternate), or a stage of SIMULATED_BLOCKS blocks or fewer."""
-    blocks = SIMULATED_BLOCKS
     import dataclasses
 
     from workbench.parallel.apply import ddp_dim
@@ -90,10 +89,10 @@ def fold_plan(job: Any, rank: int) -> FoldPlan | None:
         return None
     stage = parallel.rank_coords(rank)[0]
     real = split_layers(model.n_layers, parallel.pp)[stage]
-    if len(real) <= blocks:
+    if len(real) <= SIMULATED_BLOCKS:
         return None
-    small = dataclasses.replace(job, model=dataclasses.replace(model, n_layers=blocks * parallel.pp))
-    return FoldPlan(small, split_layers(blocks * parallel.pp, parallel.pp)[stage], list(real))
+    small = dataclasses.replace(job, model=dataclasses.replace(model, n_layers=SIMULATED_BLOCKS * parallel.pp))
+    return FoldPlan(small, split_layers(SIMULATED_BLOCKS * parallel.pp, parallel.pp)[stage], list(real))
 
 
 @dataclass

@@ -427,19 +427,24 @@ class ConformanceReport:
     def to_frame(self):
         import pandas as pd
 
-        cols = ["case", "family", "mesh", "placements", "ok", "max_err", "fwd_bytes", "bwd_bytes", "comm_bytes",
+        cols = ["case", "family", "mesh", "placements", "rules", "ok", "max_err", "fwd_bytes", "bwd_bytes", "comm_bytes",
                 "out_placements", "error"]
         return pd.DataFrame(self.rows, columns=cols)
 
+    def _ours(self) -> list[dict[str, Any]]:
+        """The rows of our rules (under ``rules="both"`` torch's rows are there too: :meth:`versus`)."""
+        return [r for r in self.rows if r.get("rules") == "ours"] if self.rules == "both" else self.rows
+
     def summary(self) -> dict[str, dict[str, int]]:
         fam: dict[str, dict[str, int]] = {}
-        for r in self.rows:
+        rows = self._ours()
+        for r in rows:
             f = fam.setdefault(r["family"], {"cases": 0, "combinations": 0, "passed": 0, "comm_bytes": 0})
             f["combinations"] += 1
             f["passed"] += bool(r["ok"])
             f["comm_bytes"] += r["comm_bytes"] or 0
         for f, d in fam.items():
-            d["cases"] = len({r["case"] for r in self.rows if r["family"] == f})
+            d["cases"] = len({r["case"] for r in rows if r["family"] == f})
         return fam
 
     def to_dict(self) -> dict[str, Any]:
@@ -455,27 +460,33 @@ class ConformanceReport:
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), default=str, **kw)
 
+    def _passed(self) -> tuple[int, int]:
+        """(passed, combinations) under our rules."""
+        rows = self._ours()
+        return sum(bool(r["ok"]) for r in rows), len(rows)
+
     def __repr__(self) -> str:
-        n, bad = len(self.rows), len(self.failures)
-        return f"ConformanceReport({n - bad}/{n} combinations pass, rules={self.rules}, {self.wall_s:.1f}s)"
+        ok, n = self._passed()
+        return f"ConformanceReport({ok}/{n} combinations pass, rules={self.rules}, {self.wall_s:.1f}s)"
 
     def _repr_html_(self) -> str:
         import html
 
-        n, bad = len(self.rows), len(self.failures)
-        head = (f"<b>SPMD conformance</b> ({self.rules} rules): {n - bad}/{n} combinations pass "
+        ok, n = self._passed()
+        head = (f"<b>SPMD conformance</b> ({self.rules} rules): {ok}/{n} combinations pass "
                 f"over {len({r['case'] for r in self.rows})} cases in {self.wall_s:.1f}s")
         fam = "".join(
             f"<tr><td>{html.escape(f)}</td><td>{d['cases']}</td><td>{d['passed']}/{d['combinations']}</td>"
             f"<td>{d['comm_bytes']:,}</td></tr>" for f, d in self.summary().items())
         table = ("<table><tr><th>family</th><th>cases</th><th>pass</th><th>bytes sent per rank</th></tr>"
                  f"{fam}</table>")
-        fails = ""
+        fails, bad = "", self.failures
         if bad:
             items = "".join(f"<li><code>{html.escape(r['case'])}</code> {r['mesh']} "
                             f"<code>{html.escape(r['placements'])}</code>: {html.escape(str(r['error']))}</li>"
-                            for r in self.failures[:20])
-            fails = f"<p style='color:#b00'>Failures:</p><ul>{items}</ul>"
+                            for r in bad[:20])
+            what = "Pass with torch's rules only" if self.rules == "both" else "Failures"
+            fails = f"<p style='color:#b00'>{what}:</p><ul>{items}</ul>"
         return f"<div>{head}{table}{fails}</div>"
 
 

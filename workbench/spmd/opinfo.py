@@ -93,8 +93,9 @@ def rule_opinfos(names: list[str] | None = None) -> list:
 def _samples(key: str) -> tuple:
     """The OpInfo ``key``'s float32 CPU samples, seeded: identical on every rank."""
     info = next(o for o in compat.op_db() if opinfo_key(o) == key)
-    torch.manual_seed(SEED)
-    return info, tuple(info.sample_inputs("cpu", DTYPE, requires_grad=info.supports_autograd))
+    with torch.random.fork_rng(devices=[]):  # the caller's generator (a notebook's) is left as it was
+        torch.manual_seed(SEED)
+        return info, tuple(info.sample_inputs("cpu", DTYPE, requires_grad=info.supports_autograd))
 
 
 def _split(sample: Any) -> tuple[list, Any, list[int]]:

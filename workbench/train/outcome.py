@@ -22,7 +22,8 @@ from __future__ import annotations
 import signal
 from typing import Any, Mapping
 
-__all__ = ["RunFailed", "STATUSES", "root_cause", "describe_exit", "is_peer_loss", "is_consequence", "rank_span"]
+__all__ = ["RunFailed", "STATUSES", "root_cause", "describe_exit", "is_peer_loss", "is_consequence", "rank_span",
+           "print_outcome"]
 
 STATUSES = ("running", "succeeded", "failed", "stopped")
 
@@ -135,3 +136,39 @@ def is_consequence(errors: Mapping[int, Mapping[str, Any]], exits: Mapping[int, 
     clean-up, or told that a peer went away. On one node some rank is always the cause; when none of a
     node's ranks is, the cause is on another node."""
     return bool(exits) and all(_classify(errors.get(r), exits[r])[0] >= 2 for r in exits)
+
+
+def print_outcome(run: Any, as_json: bool) -> None:
+    """A finished :class:`workbench.Run`'s last word on the command line, the same for ``workbench train``
+    and a plain torchrun's rank 0: one JSON document (``run.summary()`` with every rank's losses and the
+    error), or the failing rank's traceback and one ``error:`` line, or one ``done:`` line."""
+    import sys
+
+    from workbench.cli_output import emit_json
+
+    summary = run.summary()
+    err = run.error
+    if as_json:
+        metrics = run.metrics
+        summary["losses"] = {int(r): g["loss"].tolist() for r, g in metrics.groupby("rank")} if len(metrics) else {}
+        if err is not None:
+            summary["error"] = {"rank": err.rank, "message": err.message, "traceback": err.traceback,
+                                **({"node": err.node, "ranks": err.ranks} if err.node is not None else {})}
+        emit_json(summary)
+    elif err is not None:
+        if err.traceback:
+            print(err.traceback.rstrip(), file=sys.stderr)
+        print(f"error: {err}  (logs: {run.log_path})", file=sys.stderr)
+    else:
+        nodes = summary.get("nodes")
+        if nodes:
+            ranks = nodes.get("ranks")
+            print(f"node {nodes['node_rank']} of {nodes['nnodes']} (ranks {rank_span(ranks) if ranks else '?'}, "
+                  f"world size {nodes['world_size']}):", end=" ")
+        resumed = summary.get("resumed_from")
+        print(f"done: {summary['steps_logged']} steps"
+              + (f" (steps {resumed['step']}-{run.job.train.steps - 1}, resumed)" if resumed else "")
+              + f", loss {summary.get('first_loss', float('nan')):.4f} -> "
+              f"{summary.get('final_loss', float('nan')):.4f}, {summary.get('tokens_per_s', 0):.0f} tokens/s"
+              + (f", MFU {summary['mfu']:.2f}" if summary.get("mfu") is not None else "")
+              + f"; events in {run.run_dir / 'events.jsonl'}")

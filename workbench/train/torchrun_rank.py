@@ -30,11 +30,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from workbench.cli_output import EXIT_FAILED, EXIT_USAGE, emit_json, error
+from workbench.cli_output import EXIT_FAILED, EXIT_USAGE, error
 
 ENTRY = "-m workbench.torchrun"  # what torchrun runs: workbench/torchrun.py
 # What torchrun sets in every rank's environment, and this module reads.
@@ -117,8 +116,8 @@ def run_args(args: argparse.Namespace, default_out: Callable[[], Path]) -> int:
     code = worker.main([run_dir])
     if rank == 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        end = _report_end(run_dir, code)
-        _print_outcome(run_dir, job, end, as_json)
+        _report_end(run_dir, code)
+        _print_outcome(run_dir, job, code, as_json)
     return code
 
 
@@ -214,7 +213,7 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # the worker ends the run as stopped (exit 130)
 
 
-def _report_end(run_dir: str, code: int) -> dict[str, Any]:
+def _report_end(run_dir: str, code: int) -> None:
     """Rank 0 writes the ``run_end`` event, as ``workbench train``'s agent does: succeeded, failed (naming
     the rank to blame among the errors written so far: ``workbench.train.outcome``) or stopped."""
     from workbench.train.events import LAUNCHER_RANK, EventWriter, read_events
@@ -238,42 +237,26 @@ def _report_end(run_dir: str, code: int) -> dict[str, Any]:
             end = {"status": "failed", "failed_rank": 0, "message": describe_exit(code)}
     with EventWriter(run_dir, LAUNCHER_RANK) as ev:
         ev.emit("run_end", launcher="torchrun", **end)
-    return end
 
 
-def _print_outcome(run_dir: str, job: Any, end: dict[str, Any], as_json: bool) -> None:
-    """Rank 0's last word, as ``workbench train`` ends: one summary line, or one JSON document."""
-    from workbench.train.events import read_events
+class _Ended:
+    """The finished process a :class:`workbench.Run` asks about: here this rank's own exit code."""
 
-    events = read_events(run_dir)
-    steps = [e for e in events if e["type"] == "step"]
-    resumed = next((e for e in events if e["type"] == "resume" and e["rank"] == 0), None)
-    losses: dict[int, list] = {}
-    for e in steps:
-        losses.setdefault(e["rank"], []).append(e["loss"])
-    first = losses.get(min(losses), []) if losses else []
-    rates = sorted(e["tokens_per_s"] for e in steps if e["rank"] == 0 and e["step"] > 0 and e["tokens_per_s"])
-    summary: dict[str, Any] = {"run_dir": run_dir, "status": end["status"], "model": job.model.name,
-                               "layout": job.parallel.describe(), "world_size": job.parallel.world_size,
-                               "launcher": "torchrun", "steps_logged": len({e["step"] for e in steps})}
-    if first:
-        summary.update(first_loss=first[0], final_loss=first[-1])
-    if resumed is not None:
-        summary["resumed_from"] = {"step": resumed["step"], "path": resumed.get("path")}
-    if rates:
-        summary["tokens_per_s"] = rates[len(rates) // 2]
-    if end["status"] != "succeeded":
-        summary["error"] = {k: end[k] for k in ("failed_rank", "message") if k in end}
-    if as_json:
-        emit_json({**summary, "losses": losses})
-    elif end["status"] == "succeeded":
-        print(f"done: {summary['steps_logged']} steps"
-              + (f" (steps {resumed['step']}-{job.train.steps - 1}, resumed)" if resumed is not None else "")
-              + f", loss {summary.get('first_loss', float('nan')):.4f} -> "
-              f"{summary.get('final_loss', float('nan')):.4f}, {summary.get('tokens_per_s', 0):.0f} tokens/s; "
-              f"events in {Path(run_dir) / 'events.jsonl'}")
-    else:
-        rank = end.get("failed_rank")
-        print(f"error: {'rank ' + str(rank) + ': ' if rank is not None else ''}{end.get('message', '')} "
-              f"(events in {Path(run_dir) / 'events.jsonl'})", file=sys.stderr)
+    def __init__(self, code: int):
+        self.pid, self.returncode = os.getpid(), code
 
+    def poll(self) -> int:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.returncode
+
+
+def _print_outcome(run_dir: str, job: Any, code: int, as_json: bool) -> None:
+    """Rank 0's last word, as ``workbench train``'s: the run read back as a finished :class:`workbench.Run`
+    (its ``run_end`` just written), printed by the same :func:`workbench.train.outcome.print_outcome`."""
+    from workbench.train.launcher import Run
+    from workbench.train.outcome import print_outcome
+
+    run = Run(job, Path(run_dir), _Ended(code), Path(run_dir) / "events.jsonl")  # no launcher.log: torchrun prints
+    print_outcome(run, as_json)

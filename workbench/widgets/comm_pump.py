@@ -63,7 +63,7 @@ class CommPump:
                 return None
             reply_socket = manager.get_subshell_to_shell_channel_socket(None)
             handlers = kernel.shell_handlers
-            if not all(callable(handlers.get(t)) for t in WIDGET_MSG_TYPES) or not callable(kernel.shell_main):
+            if not all(callable(handlers.get(t)) for t in WIDGET_MSG_TYPES):
                 return None
             kernel.get_parent("shell"), kernel._parent_ident["shell"]  # what _handle saves and restores
             if not isinstance(socket, zmq.Socket):

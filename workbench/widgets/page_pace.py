@@ -2,11 +2,11 @@
 
 A live view can send redraws faster than a browser draws them: the dashboard's seven plotly figures took
 0.6-1.7 s to redraw in Chromium on a loaded 2-core machine (the "page round trip" that
-tests/views/test_dashboard_browser.py prints under ``pytest -s``). Sent four times a second, they keep the page's main thread
-busy for good, so a click on Stop waits there for seconds before it even reaches the kernel (issue 28).
-The kernel cannot see the page's clock, so the page says: after each redraw the view bumps ``tick``, and
-every rendering of this widget echoes the tick once the frames that draw the figures (queued before the
-tick arrived) are done. The view sends its next redraw only once the page has echoed and then had as long
+tests/views/test_dashboard_browser.py prints under ``pytest -s``). Sent four times a second, they keep the
+page's main thread busy for good, so a click on Stop waits there for seconds before it even reaches the
+kernel (issue 28). The kernel cannot see the page's clock, so the page says: after each redraw the view
+bumps ``tick``, and every rendering of this widget echoes the tick once the frames that draw the figures
+(queued before the tick arrived) and PlotView's draw queue are done. The view sends its next redraw only once the page has echoed and then had as long
 again to itself, so the page spends at most about half its time drawing it and stays free for clicks:
 
     pace = PagePace()                    # in the view's widget tree; it shows nothing
