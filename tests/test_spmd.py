@@ -56,7 +56,8 @@ def test_every_registry_case_matches_the_dense_run_forward_and_backward(workbenc
     assert sum(r["comm_bytes"] for r in report.rows) > 0
     assert set(report.summary()) == {c.family for c in registry.CASES.values()}
     frame = report.to_frame()
-    assert list(frame.columns[:6]) == ["case", "family", "mesh", "placements", "ok", "max_err"]
+    assert list(frame.columns[:7]) == ["case", "family", "mesh", "placements", "rules", "ok", "max_err"]
+    assert set(frame["rules"]) == {"ours"}
     assert len(frame) == len(report.rows) and "combinations pass" in report._repr_html_()
 
 
