@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # JupyterLab refuses root unless told; containers and CI machines often run as root.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test test-all test-gpu gpu-bundle gpu-check install browser clean extension
+.PHONY: lab test test-all test-exhaustive test-gpu gpu-bundle gpu-check install browser clean extension
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,13 +41,19 @@ lab: $(STAMP) extension
 	@echo "Starting JupyterLab on notebooks/ -- open the http://$(LAB_IP):$(LAB_PORT)/lab?token=... URL printed below"
 	$(VENV)/bin/jupyter lab --no-browser --ip=$(LAB_IP) --port=$(LAB_PORT) --ServerApp.root_dir=notebooks $(LAB_ROOT_FLAG)
 
+# The suite a newcomer waits for (at most 12 minutes on 2 quiet cores): every test but those listed in
+# tests/slow.txt (each with its measured time).
 test: $(STAMP) browser extension
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# Every test, as CI runs it (.ci/run): `make test` and the tests of tests/slow.txt.
+test-all: $(STAMP) browser extension
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Everything `make test` runs, plus what is too slow for it: every tutorial's dashboard and plots driven in
-# Chromium (Run All twice, and a page reload), not only the first ones; and every OpInfo sample of our SPMD
-# rule ops under both rule sets on both meshes (tests/clients/test_spmd_opinfo.py).
-test-all: $(STAMP) browser extension
+# `make test-all` with the exhaustive variants, too long for CI's 90 minutes: every tutorial's dashboard and
+# plots driven in Chromium (Run All twice, and a page reload), not only the first ones; and every OpInfo
+# sample of our SPMD rule ops under both rule sets on both meshes (tests/clients/test_spmd_opinfo.py).
+test-exhaustive: $(STAMP) browser extension
 	WORKBENCH_BROWSER_TUTORIALS=all WORKBENCH_BROWSER_PLOTS=all WORKBENCH_SPMD_OPINFO=all $(PY) -m pytest $(PYTEST_ARGS)
 
 # The tests marked `gpu` (NCCL training, pinned async checkpoints and bitwise resume on CUDA, CUDA memory

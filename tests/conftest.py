@@ -36,7 +36,23 @@ def _gpu_missing() -> str | None:
     return None
 
 
+def _slow_ids() -> list[str]:
+    """The node ids (or id prefixes: a file, a test without its parameters) listed in tests/slow.txt."""
+    lines = (REPO / "tests" / "slow.txt").read_text().splitlines()
+    return [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
+
+
+def _is_listed(nodeid: str, listed: set[str]) -> bool:
+    """``nodeid`` is listed itself, or its file, or its test without the parameters."""
+    return nodeid in listed or nodeid.split("::", 1)[0] in listed or nodeid.split("[", 1)[0] in listed
+
+
 def pytest_collection_modifyitems(config, items):
+    # `make test` leaves out the tests listed in tests/slow.txt (`-m "not slow"`); `make test-all` runs them.
+    listed = set(_slow_ids())
+    for item in items:
+        if _is_listed(item.nodeid, listed):
+            item.add_marker(pytest.mark.slow)
     gpu_tests = [item for item in items if item.get_closest_marker("gpu") is not None]
     why = _gpu_missing() if gpu_tests else None
     if why is not None:

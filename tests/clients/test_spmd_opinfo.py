@@ -6,7 +6,7 @@ under ours. The contract: any combination that passes with torch's rules passes 
 
 By default a bounded subset runs (one sample of each of a dozen OpInfos, the 1-D mesh; it includes the
 layer_norm sample whose normalised shape is the whole input, which used to pass with torch's rules only).
-``WORKBENCH_SPMD_OPINFO=all`` (``make test-all``) runs every sample on both meshes (several minutes).
+``WORKBENCH_SPMD_OPINFO=all`` (``make test-exhaustive``) runs every sample on both meshes (an hour or more).
 """
 
 from __future__ import annotations

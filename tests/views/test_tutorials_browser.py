@@ -7,8 +7,8 @@ plot's SVG or GL layer), with no "Error displaying widget" and no traceback; the
 and check again (the views come back from the kernel); then Restart Kernel and Run All, and check again.
 
 Which tutorials: ``WORKBENCH_BROWSER_PLOTS`` (comma-separated file names, or ``all``); by default one
-(06, about two minutes here with its three passes), so `make test` stays near its time. `make test-all`
-runs all seven.
+(06, about two minutes here with its three passes), so the suite stays near its time. `make
+test-exhaustive` runs all seven.
 """
 
 from __future__ import annotations
