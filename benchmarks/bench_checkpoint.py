@@ -37,6 +37,21 @@ counters, LR scheduler, RNG), on the local disk in a temporary directory. Ratios
                               the median of 5 interleaved pairs (``paired_*``), each load into a fresh state
 * ``first_step_after_mmap_vs_next_step``  the training step right after a mapped load (its writes copy the
                               pages they touch) / the step after it: where the skipped copy is paid
+
+Resume, as the trainer does it: a fresh model (initialized) and a fresh AdamW (no state yet) with its scheduler,
+then ``load()`` + the touch; freed memory is handed back to the system first (``malloc_trim``), as in the new
+process a resume runs in. Median of 5 interleaved rounds (3 with ``--quick``) of safetensors and the three paths:
+
+* ``resume_vs_safetensors``   the default path (``load(...)``, ``mmap=None``: copies into the model's tensors,
+                              maps the fresh optimizer's state where safe)  /  ``load_file`` + touch
+* ``resume_copy_vs_safetensors``    ``mmap=False`` (every tensor copied; the optimizer's state into new memory)
+* ``resume_mapped_vs_safetensors``  ``mmap=True`` (every tensor left on the mapped files)
+* ``first_step_after_resume_vs_after_copy``  the first training step after the default resume / after the
+                              copying one: the copy-on-write of the mapped pages is paid here
+* ``first_step_after_mapped_vs_after_copy``  the same after ``mmap=True``
+* ``resume_and_first_step_vs_copy``  default resume + touch + first step  /  the same with the copying path
+* ``resume_and_first_step_mapped_vs_copy``  the same with ``mmap=True``
+``cpu_seconds`` gives the process's CPU time (user + sys, the checksum threads included) beside each of these.
 * ``int8_optimizer_bytes_vs_fp32``  bytes of the optimizer state saved with ``quant="int8"`` (Adam's moments
                               in int8 + fp32 block scales)  /  the same state in fp32 (target <= 0.27)
 * ``int8_save_time_vs_sync``  that int8 save's time (quantizing included)  /  the fp32 sync save
@@ -142,7 +157,80 @@ def live_tensors(state: TrainState) -> list[torch.Tensor]:
     return ts + [v for st in state.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
-def one_repeat(preset: str, work: Path) -> dict[str, float]:
+def fresh_state(preset: str) -> TrainState:
+    """What a resumed run loads into: the model as built (seeded init), an AdamW with no state yet."""
+    model = build_model(PRESETS[preset], seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    return TrainState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+
+
+def _release_memory() -> None:
+    """Hand freed heap memory back to the system (glibc's ``malloc_trim``), so that what the next load
+    allocates is faulted in as in a fresh process, not recycled from the previous round."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: what was freed may be reused
+
+
+def _cpu() -> float:
+    """This process's CPU time, user + sys, every thread (getrusage: microseconds; os.times ticks 10 ms)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+RESUME_PATHS = {"default": None, "copy": False, "mapped": True}  # load()'s mmap argument
+
+
+def resume_rounds(preset: str, ckpt: Path, st_file: Path, x: torch.Tensor, rounds: int,
+                  want: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Resumes into fresh states by each path, and ``load_file``, interleaved (the order rotates each round):
+    median seconds (wall, and CPU under ``cpu_``) of the load + touch and of the first training step, and
+    what each path reported (``LoadResult.read``). ``want``: the saved weights, which every load must give."""
+    got: dict[str, list[float]] = {}
+    read = {}
+
+    def note(key: str, t0: float, c0: float) -> None:
+        got.setdefault(f"{key}_s", []).append(time.perf_counter() - t0)
+        got.setdefault(f"cpu_{key}_s", []).append(_cpu() - c0)
+
+    names = ["st", *RESUME_PATHS]
+    for k in range(rounds):
+        for what in names[k % len(names):] + names[:k % len(names)]:
+            if what == "st":
+                _release_memory()
+                t0, c0 = time.perf_counter(), _cpu()
+                touch(load_file(str(st_file)).values())
+                note("resume_st", t0, c0)
+                continue
+            state = fresh_state(preset)
+            _release_memory()
+            t0, c0 = time.perf_counter(), _cpu()
+            res = load(ckpt, state.model, state.optimizer, scheduler=state.scheduler, mmap=RESUME_PATHS[what])
+            touch(live_tensors(state))
+            note(f"resume_{what}", t0, c0)
+            for key, value in state.model.state_dict().items():  # (not timed) the load is right
+                assert torch.equal(value, want[key]), (what, key)
+            t0, c0 = time.perf_counter(), _cpu()
+            train_step(state, x)
+            note(f"first_step_after_{what}", t0, c0)
+            read[what] = {k: v for k, v in res.read.items() if k != "dcp_reasons"}
+            del state
+    out = {k: statistics.median(v) for k, v in got.items()}
+    for what in RESUME_PATHS:
+        for p in ("", "cpu_"):
+            out[f"{p}resume_and_first_step_{what}_s"] = statistics.median(
+                a + b for a, b in zip(got[f"{p}resume_{what}_s"], got[f"{p}first_step_after_{what}_s"]))
+    return out, read
+
+
+def one_repeat(preset: str, work: Path, rounds: int = 5) -> dict[str, float]:
     state = make_state(preset)
     tensors = flat_tensors(state.state_dict())
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -287,6 +375,10 @@ def one_repeat(preset: str, work: Path) -> dict[str, float]:
     t0 = time.perf_counter()
     train_step(target4, x)
     r["next_step_after_mmap_s"] = time.perf_counter() - t0
+    del target, target2, target3, target4
+    resumed, r["resume_read"] = resume_rounds(preset, work / "sync", work / "st.safetensors", x, rounds, saved_weights)
+    r.update(resumed)
+    assert r["resume_read"]["default"]["mmap"] == "auto", r["resume_read"]
     return r
 
 
@@ -308,14 +400,16 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(repeats):
         work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
         try:
-            r = one_repeat(preset, work)
+            r = one_repeat(preset, work, rounds=3 if args.quick else 5)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         runs.append(r)
         gb = r["bytes"] / 1e9
         _log(f"repeat {i + 1}/{repeats}: {gb:.3f} GB  raw write {gb / r['paired_raw_write_s']:.2f} GB/s  "
              f"save {gb / r['paired_save_s']:.2f} GB/s (side by side)  dcp {r['dcp_save_s']:.2f}s  async blocked "
-             f"{r['async_blocking_s'] * 1e3:.0f} ms  load {r['load_s']:.2f}s  safetensors {r['safetensors_load_s']:.2f}s")
+             f"{r['async_blocking_s'] * 1e3:.0f} ms  load {r['load_s']:.2f}s  safetensors {r['safetensors_load_s']:.2f}s  "
+             f"resume {r['resume_default_s'] * 1e3:.0f} ms (copying {r['resume_copy_s'] * 1e3:.0f}, mapped "
+             f"{r['resume_mapped_s'] * 1e3:.0f}, safetensors {r['resume_st_s'] * 1e3:.0f})")
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in runs)
@@ -344,10 +438,20 @@ def main(argv: list[str] | None = None) -> int:
             "load_dcp_reader_vs_safetensors": ratio("load_dcp_reader_s", "safetensors_load_s"),
             "load_mmap_vs_safetensors": ratio("paired_load_mmap_s", "paired_safetensors_load_s"),
             "first_step_after_mmap_vs_next_step": ratio("first_step_after_mmap_s", "next_step_after_mmap_s"),
+            "resume_vs_safetensors": ratio("resume_default_s", "resume_st_s"),
+            "resume_copy_vs_safetensors": ratio("resume_copy_s", "resume_st_s"),
+            "resume_mapped_vs_safetensors": ratio("resume_mapped_s", "resume_st_s"),
+            "first_step_after_resume_vs_after_copy": ratio("first_step_after_default_s", "first_step_after_copy_s"),
+            "first_step_after_mapped_vs_after_copy": ratio("first_step_after_mapped_s", "first_step_after_copy_s"),
+            "resume_and_first_step_vs_copy": ratio("resume_and_first_step_default_s", "resume_and_first_step_copy_s"),
+            "resume_and_first_step_mapped_vs_copy": ratio("resume_and_first_step_mapped_s",
+                                                          "resume_and_first_step_copy_s"),
             "int8_optimizer_bytes_vs_fp32": ratio("optim_bytes_int8", "optim_bytes_fp32"),
             "int8_save_time_vs_sync": ratio("int8_save_s", "sync_save_s"),
         },
-        "seconds": {k: med(k) for k in runs[0] if k.endswith("_s")},
+        "seconds": {k: med(k) for k in runs[0] if k.endswith("_s") and not k.startswith("cpu_")},
+        "cpu_seconds": {k[len("cpu_"):]: med(k) for k in runs[0] if k.startswith("cpu_")},
+        "resume_read": runs[-1]["resume_read"],  # what each path's load reported (LoadResult.read), last round
         "throughput_gb_s": {"raw_write": nbytes / 1e9 / med("paired_raw_write_s"), "save": nbytes / 1e9 / med("paired_save_s"),
                             "dcp_save": nbytes / 1e9 / med("dcp_save_s")},
         "runs": runs,

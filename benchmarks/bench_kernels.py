@@ -209,8 +209,7 @@ def main() -> int:
     ops = args.ops.split(",") if args.ops else None
     dtypes = args.dtypes.split(",") if args.dtypes else None
 
-    import workbench  # noqa: F401  (before Triton loads: interpreter mode without CUDA)
-    from workbench.kernels import triton_status
+    from workbench.kernels import triton_status  # (before Triton loads: interpreter mode without CUDA)
 
     st = triton_status()
     import torch

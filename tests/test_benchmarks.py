@@ -144,7 +144,10 @@ def test_bench_checkpoint_quick_prints_one_json_document_of_ratios(repo):
                            "async_blocking_vs_sync", "zero_stall_step_vs_sync", "zero_stall_step_vs_train_step",
                            "load_vs_safetensors", "load_without_verify_vs_safetensors",
                            "load_dcp_reader_vs_safetensors", "load_mmap_vs_safetensors",
-                           "first_step_after_mmap_vs_next_step", "int8_optimizer_bytes_vs_fp32", "int8_save_time_vs_sync"}
+                           "first_step_after_mmap_vs_next_step", "int8_optimizer_bytes_vs_fp32", "int8_save_time_vs_sync",
+                           "resume_vs_safetensors", "resume_copy_vs_safetensors", "resume_mapped_vs_safetensors",
+                           "first_step_after_resume_vs_after_copy", "first_step_after_mapped_vs_after_copy",
+                           "resume_and_first_step_vs_copy", "resume_and_first_step_mapped_vs_copy"}
     for name, r in ratios.items():
         assert math.isfinite(r["median"]) and r["median"] > 0, name
         assert r["min"] <= r["median"] <= r["max"], name
@@ -158,6 +161,12 @@ def test_bench_checkpoint_quick_prints_one_json_document_of_ratios(repo):
     assert math.isclose(ratios["load_mmap_vs_safetensors"]["median"],
                         s["paired_load_mmap_s"] / s["paired_safetensors_load_s"])
     assert ratios["int8_optimizer_bytes_vs_fp32"]["median"] <= 0.27
+    # resume into a fresh optimizer: the default path maps its new state and copies into the model's tensors
+    default = doc["resume_read"]["default"]
+    assert default["mmap"] == "auto" and default["path"] == "mmap" and default["mapped"] > 0 < default["copied"]
+    assert doc["resume_read"]["copy"]["mapped"] == 0 and doc["resume_read"]["mapped"]["path"] == "mmap"
+    assert math.isclose(ratios["resume_vs_safetensors"]["median"], s["resume_default_s"] / s["resume_st_s"])
+    assert 0 < doc["cpu_seconds"]["resume_default_s"] and 0 < doc["cpu_seconds"]["first_step_after_copy_s"]
 
 
 @pytest.mark.multirank
@@ -220,3 +229,24 @@ def test_bench_gpu_train_skips_without_a_gpu_and_checks_its_plumbing_on_cpu(repo
     # Both loops train the same model from the same weights on the same samples.
     assert m["loss_first_rel_diff"] < 1e-3
     assert ours["device"] == "cpu" and ours["backend"] == "gloo"
+
+
+@pytest.mark.timeout(120)
+def test_bench_startup_quick_prints_ratios_to_import_torch(repo):
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_startup.py"), "--quick"],
+                          capture_output=True, text=True, timeout=110, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)  # stdout is exactly one JSON document; progress went to stderr
+    assert "import_torch" in proc.stderr
+    assert doc["benchmark"] == "bench_startup" and doc["quick"] is True and doc["repeats"] == 1
+    assert set(doc["baselines"]) == {"import_torch", "lab_without_extension"}
+    results = doc["results"]
+    assert list(results) == ["import_torch", "import_workbench", "help", "version", "extension_list"]  # no lab, plan
+    base = results["import_torch"]
+    assert base["wall_ratio_to_import_torch"] == 1.0 and base["cpu_ratio_to_import_torch"] == 1.0
+    for name, r in results.items():
+        assert r["runs"] == 1 and r["wall_s"] > 0 and r["cpu_s"] > 0 and r["max_rss_bytes"] > 0, name
+        assert r["wall_ratio_to_import_torch"] == pytest.approx(r["wall_s"] / base["wall_s"], abs=1e-4), name
+    assert results["extension_list"]["lists_workbench"] is True  # the command listed our extension, enabled
+    assert set(doc["targets"]) == {"help_wall_under_0.5s", "version_wall_under_0.3s",
+                                   "import_at_most_import_torch_plus_0.3s"}

@@ -3,6 +3,9 @@ real saves, real files, one process (multi-rank layouts keep the copying paths: 
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 
 from workbench.checkpoint import TrainState, load, save, verify
@@ -295,3 +298,212 @@ def test_an_export_with_the_optimizer_carries_its_param_groups_as_readable_json(
     for f in (shard, tmp_path / "one.safetensors"):
         with safe_open(str(f), "pt") as sf:
             assert json.loads(sf.metadata()["optimizer_param_groups"]) == groups
+
+
+# -- the default load (mmap=None): copies into memory that exists, maps what needs new memory -----------
+
+
+def _fresh(seed: int) -> TrainState:
+    """What a resumed run loads into: the model as built, an optimizer with no state yet (same groups)."""
+    model = build_model(CFG, seed=seed)
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    rest = [p for n, p in model.named_parameters() if "norm" not in n]
+    opt = torch.optim.AdamW([{"params": rest, "weight_decay": 0.5}, {"params": norms, "weight_decay": 0.5}],
+                            lr=0.3, betas=(0.5, 0.5), foreach=False)
+    return TrainState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)))
+
+
+def _mapped_files(t: torch.Tensor) -> set[str]:
+    """The files whose mapping holds ``t``'s first byte (``/proc/self/maps``): what the process shows, not
+    what the loader says."""
+    ptr, found = t.data_ptr(), set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi and len(parts) == 6:
+                found.add(parts[5].strip())
+    return found
+
+
+def _moments(st: TrainState) -> list[torch.Tensor]:
+    return [v for s in st.optimizer.state.values() for k, v in s.items() if k != "step"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mapped files are left in place on Linux only")
+def test_a_resume_maps_the_new_optimizer_state_copies_the_weights_and_trains_bitwise(tmp_path):
+    ref = _state(0, steps=3)
+    save(tmp_path / "c", ref)
+    ckpt = tmp_path / "c" / "step-000003"
+    shards = {str(p) for p in ckpt.glob("*.distcp")}
+    default, copying, mapped = _fresh(7), _fresh(8), _fresh(9)
+    own = {n: p.data_ptr() for n, p in default.model.named_parameters()}
+    res = load(ckpt, default.model, default.optimizer, scheduler=default.scheduler)
+    res_copy = load(ckpt, copying.model, copying.optimizer, scheduler=copying.scheduler, mmap=False)
+    res_map = load(ckpt, mapped.model, mapped.optimizer, scheduler=mapped.scheduler, mmap=True)
+    read = res.read
+    assert read["mmap"] == "auto" and read["path"] == "mmap" and "not_mapped" not in read, read
+    assert read["mapped"] > 0 and read["copied"] > 0 and read["mapped"] + read["copied"] == res_copy.read["copied"]
+    assert read["mapped_bytes"] == sum(t.numel() * t.element_size() for t in _moments(default)
+                                       if t.numel() * t.element_size() > 4096)
+    assert res_copy.read["mmap"] == "off" and res_copy.read["path"] == "direct" and res_copy.read["mapped"] == 0
+    assert res_map.read["mmap"] == "on" and res_map.read["path"] == "mmap"
+    # The weights were copied into the model's own memory; the moments point into the checkpoint's files.
+    assert {n: p.data_ptr() for n, p in default.model.named_parameters()} == own
+    assert all(not _mapped_files(p) & shards for p in default.model.parameters())
+    assert all(_mapped_files(t) & shards for t in _moments(default) if t.numel() * t.element_size() > 4096)
+    assert all(not _mapped_files(t) & shards for t in _moments(copying))
+    assert all(_mapped_files(p) & shards for p in mapped.model.parameters() if p.numel() * p.element_size() > 4096)
+    want = _flat(ref)
+    for name, st, r in (("default", default, res), ("copying", copying, res_copy), ("mapped", mapped, res_map)):
+        st.step = r.step
+        got = _flat(st)
+        assert got.keys() == want.keys(), name
+        for k in want:
+            assert torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype, (name, k)
+        assert _groups(st.optimizer) == _groups(ref.optimizer), name  # lr, betas, weight decay of both groups
+        assert st.scheduler.last_epoch == 3, name
+    # Training continues bitwise alike after each (the mapped pages take their writes copy-on-write).
+    for _ in range(2):
+        losses = {_step(ref), _step(default), _step(copying), _step(mapped)}
+        assert len(losses) == 1, losses
+    for name, st in (("default", default), ("copying", copying), ("mapped", mapped)):
+        for k, v in _flat(ref).items():
+            assert torch.equal(_flat(st)[k], v), (name, k)
+    assert verify(ckpt).ok  # no write reached the files
+
+
+def test_a_load_into_a_state_that_has_its_memory_copies_into_it(tmp_path):
+    """A reload into a live train state (every tensor already has memory): copying is cheaper than the
+    copy-on-write the next step would pay, so nothing is mapped, and the report says why."""
+    ref = _state(0, steps=2)
+    save(tmp_path / "c", ref)
+    live = _state(4, steps=1)
+    ptrs = [t.data_ptr() for t in [*live.model.parameters(), *_moments(live)]]
+    res = load(tmp_path / "c", live.model, live.optimizer, scheduler=live.scheduler)
+    assert res.read["path"] == "direct" and res.read["mapped"] == 0 and res.read["mmap"] == "auto"
+    assert res.read["not_mapped"] == "every tensor has memory of its own here: copied into it"
+    assert [t.data_ptr() for t in [*live.model.parameters(), *_moments(live)]] == ptrs
+    live.step = res.step
+    for k, v in _flat(ref).items():
+        assert torch.equal(_flat(live)[k], v), k
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mapped files are left in place on Linux only")
+@pytest.mark.parametrize("mode,who", [(0o020, "its group"), (0o002, "others")])
+def test_files_someone_else_may_rewrite_are_copied_not_mapped(tmp_path, mode, who):
+    """A mapping shows later writes to its file (and a truncation takes the pages away): a checkpoint others
+    may write is read by copy, and the load says why; explicit mmap=True still maps it."""
+    ref = _state(0, steps=1)
+    save(tmp_path / "c", ref)
+    ckpt = tmp_path / "c" / "step-000001"
+    shard = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.chmod(shard.stat().st_mode | mode)
+    fresh = _fresh(3)
+    res = load(ckpt, fresh.model, fresh.optimizer, scheduler=fresh.scheduler)
+    assert res.read["path"] == "direct" and res.read["mapped"] == 0, res.read
+    assert res.read["not_mapped"] == f"{shard}: writable by {who}, who could rewrite it under the mapping"
+    assert all(not _mapped_files(t) & {str(shard)} for t in _moments(fresh))
+    fresh.step = res.step
+    for k, v in _flat(ref).items():
+        assert torch.equal(_flat(fresh)[k], v), k
+    forced = _fresh(4)
+    assert load(ckpt, forced.model, forced.optimizer, mmap=True).read["path"] == "mmap"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mapped files are left in place on Linux only")
+def test_a_disk_without_room_for_what_a_mapping_would_keep_gets_a_copy(tmp_path, monkeypatch):
+    """Mapped files keep their blocks until the process exits, after rotation has deleted them too: on a disk
+    with less free space than the checkpoint holds, the default load copies."""
+    import shutil
+
+    import workbench.checkpoint.mmapload as mmapload
+
+    ref = _state(0, steps=1)
+    save(tmp_path / "c", ref)
+    real = shutil.disk_usage
+    monkeypatch.setattr(mmapload.shutil, "disk_usage", lambda p: real(p)._replace(free=4096))
+    fresh = _fresh(3)
+    res = load(tmp_path / "c", fresh.model, fresh.optimizer, scheduler=fresh.scheduler)
+    assert res.read["path"] == "direct" and res.read["mapped"] == 0, res.read
+    assert "its disk has 4,096 bytes free" in res.read["not_mapped"] and "after rotation deletes them" in \
+        res.read["not_mapped"], res.read
+    fresh.step = res.step
+    for k, v in _flat(ref).items():
+        assert torch.equal(_flat(fresh)[k], v), k
+
+
+def test_where_nothing_can_be_mapped_the_load_says_why(tmp_path):
+    st = _state(0)
+    save(tmp_path / "q", st, quant="int8")
+    fresh = _fresh(1)
+    res = load(tmp_path / "q", fresh.model, fresh.optimizer, mmap=True)
+    assert res.read["path"] == "direct" and res.read["not_mapped"] == "moments stored quantized: dequantized into place"
+    wide = build_model(CFG, seed=2).double()  # float64 here, float32 in the checkpoint: read and cast
+    res = load(tmp_path / "q", wide, mmap=True)
+    assert res.read["path"] != "mmap" and "torch.float32" in res.read["not_mapped"] \
+        and "torch.float64" in res.read["not_mapped"], res.read
+    for k, v in st.model.state_dict().items():
+        assert torch.equal(wide.state_dict()[k], v.double()), k
+    assert "not_mapped" not in load(tmp_path / "q", build_model(CFG, seed=3), mmap=False).read
+
+
+def test_the_manifest_index_stands_in_for_the_metadata_pickle_and_a_damaged_one_is_not_used(tmp_path, monkeypatch):
+    """A save writes where each whole tensor lies into workbench.json (JSON, with a checksum of its own); a
+    load in one process then reads no .metadata pickle. An index that is damaged, out of form, or that the
+    saver could not write (a tensor in pieces) is not used: the load reads .metadata, and is as right."""
+    import json
+
+    import xxhash
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
+
+    from workbench.checkpoint.index import index_metadata, manifest_index
+    from workbench.checkpoint.store import MANIFEST, read_manifest
+
+    ref = _state(0, steps=1)
+    save(tmp_path / "c", ref)
+    ckpt = tmp_path / "c" / "step-000001"
+    manifest = read_manifest(ckpt)
+    md, indexed = read_metadata(ckpt), index_metadata(manifest)
+    tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    assert indexed is not None and indexed.state_dict_metadata.keys() == md.state_dict_metadata.keys()
+    for k, v in tensors.items():
+        got = indexed.state_dict_metadata[k]
+        assert (got.size, got.properties.dtype, got.chunks) == (v.size, v.properties.dtype, v.chunks), k
+    assert {i.fqn: (s.relative_path, s.offset, s.length) for i, s in indexed.storage_data.items()} == \
+        {i.fqn: (s.relative_path, s.offset, s.length) for i, s in md.storage_data.items() if i.fqn in tensors}
+
+    reads = []
+    real = sys.modules["workbench.checkpoint.load"].read_metadata
+    monkeypatch.setattr(sys.modules["workbench.checkpoint.load"], "read_metadata",
+                        lambda *a, **k: (reads.append(1), real(*a, **k))[1])
+
+    def load_fresh() -> TrainState:
+        st = _fresh(5)
+        res = load(ckpt, st.model, st.optimizer, scheduler=st.scheduler)
+        st.step = res.step
+        for k, v in _flat(ref).items():
+            assert torch.equal(_flat(st)[k], v), k
+        return st
+
+    load_fresh()
+    assert reads == []
+    def signed(text: str) -> dict[str, str]:
+        return {"index": text, "index_xxh3_64": xxhash.xxh3_64_hexdigest(text.encode())}
+
+    text = manifest["index"]
+    outside = json.dumps({**json.loads(text), "files": ["../x.distcp"] * len(json.loads(text)["files"])})
+    bad = [{"index": text.replace('"float32"', '"float64"', 1)},  # changed, its checksum not: damaged
+           signed("[]"), signed(outside), signed(text.replace('"float32"', '"complex32"', 1)), {"index": None}]
+    for change in bad:
+        doc = {**manifest, **change}
+        assert index_metadata(doc) is None, change
+        (ckpt / MANIFEST).write_text(json.dumps(doc))
+        reads.clear()
+        load_fresh()
+        assert reads == [1], change
+    chunked = Metadata(state_dict_metadata={"w": TensorStorageMetadata(
+        tensors[next(iter(tensors))].properties, torch.Size([4]),
+        [ChunkStorageMetadata(torch.Size([0]), torch.Size([2])), ChunkStorageMetadata(torch.Size([2]), torch.Size([2]))])},
+        storage_data={})
+    assert manifest_index(chunked) is None  # saved in pieces (tp, fsdp): loads read .metadata

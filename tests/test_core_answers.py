@@ -3,11 +3,9 @@ statistics, byte formatting and the display registry (no widgets, no processes).
 
 from __future__ import annotations
 
-import math
 import signal
 
 import pytest
-import torch
 
 import workbench
 from test_checkpoint_tools import write_checkpoint  # tests/: checkpoints written per the key contract

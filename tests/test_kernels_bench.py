@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-import workbench  # noqa: F401  (sets TRITON_INTERPRET=1 before Triton loads, without CUDA)
+import workbench.kernels  # noqa: F401  (sets TRITON_INTERPRET=1 before Triton loads, without CUDA)
 from workbench.cli import main as cli_main
 from workbench.display import view_for
 from workbench.kernels import backend

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import workbench  # noqa: F401  (before Triton loads: interpreter mode without CUDA)
+import workbench.kernels  # noqa: F401  (before Triton loads: interpreter mode without CUDA)
 from workbench.config import PRESETS, ModelConfig
 from workbench.kernels import backend
 from workbench.kernels.cases import CASES, as_tuple

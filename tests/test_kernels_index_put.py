@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import workbench  # noqa: F401  (TRITON_INTERPRET=1 before Triton loads)
+import workbench.kernels  # noqa: F401  (TRITON_INTERPRET=1 before Triton loads)
 from workbench.kernels import CASES, backend
 from workbench.kernels.embedding import Embedding, embedding
 from workbench.kernels.index_put import index_put

@@ -11,7 +11,7 @@ from workbench.kernels.check import check
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-import workbench  # noqa: F401  (before Triton loads: interpreter mode without CUDA)
+import workbench.kernels  # noqa: F401  (before Triton loads: interpreter mode without CUDA)
 from workbench.kernels import backend
 from workbench.kernels.cases import CASES
 from workbench.kernels.masked import mask_assign, mask_select, masked_fill

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import workbench  # noqa: F401  (before Triton loads: interpreter mode without CUDA)
+import workbench.kernels  # noqa: F401  (before Triton loads: interpreter mode without CUDA)
 from workbench.kernels import backend
 from workbench.kernels.cases import CASES, as_tuple
 from workbench.kernels.set_value import set_value, set_value_

@@ -137,6 +137,48 @@ def test_plan_local_equals_dtensor_on_every_rank(model, layout):
             assert mine == blocks, f"{kind} {key}"
 
 
+@pytest.mark.parametrize("model,layout,train", [
+    ("small", dict(dp_shard=4, tp=2), {}),                                    # FSDP2 x TP: one block for 8
+    ("small", dict(dp_shard=1, tp=4), {"dtype": "bfloat16"}),                 # TP alone: gradients probed
+    ("tiny", dict(dp_shard=2, tp=2, sequence_parallel=True), {"activation_checkpointing": "full"}),
+    ("small", dict(dp_shard=2, tp=2), {"activation_checkpointing": "selective", "ac_every": 3}),
+    ("llama-7b", dict(pp=3, dp_shard=2), {"activation_checkpointing": "selective", "ac_every": 3}),  # 11+11+10
+    ("small", dict(pp=2, dp_shard=2, tp=2, pp_schedule="Interleaved1F1B", microbatches=4), {}),
+    ("small", dict(dp_replicate=2, dp_shard=2, tp=2), {"mixed_precision": "bf16"}),   # HSDP x TP
+    ("small", dict(dp_replicate=2, dp_shard=1), {}),                           # DDP
+    ("tiny-moe", dict(dp_shard=4, ep=2, tp=2), {}),                            # experts: their own units
+    ("tiny-moe", dict(dp_shard=8, ep=4, zero=2), {"mixed_precision": "bf16"}),
+], ids=["fsdpxtp", "tp-only-bf16", "sp-full-ac", "selective-ac", "pp3-uneven-selective", "interleaved", "hsdp-bf16",
+        "ddp", "ep2xtp2", "ep4-zero2"])
+def test_reused_blocks_give_the_plan_of_the_whole_build(model, layout, train):
+    # A plan builds one block per distinct stage position (workbench.plan.reuse): every number it gives
+    # (tensors, placements, splits, rank_bytes, comm rows) is the one of building every block.
+    from workbench.plan import plan_configs
+    from workbench.plan.reuse import representatives
+    from workbench.plan.simulate import plan
+
+    parallel, tcfg = plan_configs(**layout, **train)
+    reps = representatives(PRESETS[model], parallel, tcfg)
+    assert reps is not None and reps.model.n_layers < PRESETS[model].n_layers  # the reduced build runs
+    whole = plan(model, parallel, tcfg, reuse_blocks=False)
+    reused = plan(model, parallel, tcfg)
+    assert json.loads(reused.to_json()) == json.loads(whole.to_json())
+    assert repr(reused) == repr(whole)
+
+
+def test_zero1_and_model_factories_build_every_block():
+    # ZeRO-1 hands whole tensors to ranks by their sizes, and a factory has no config to shrink.
+    from workbench.models.llama import Transformer
+    from workbench.plan import plan_configs
+    from workbench.plan.reuse import representatives
+
+    parallel, tcfg = plan_configs(dp_shard=4, zero=1)
+    assert representatives(PRESETS["small"], parallel, tcfg) is None
+    assert representatives(None, *plan_configs(dp_shard=4)) is None
+    p = workbench.plan(lambda: Transformer(PRESETS["tiny"]), ParallelConfig(dp_shard=2, tp=2))
+    assert p.n_params == PRESETS["tiny"].n_params
+
+
 # --------------------------------------------------------------------------------------------------
 # pipeline, experts, ZeRO-1, mixed precision
 # --------------------------------------------------------------------------------------------------

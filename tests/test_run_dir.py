@@ -126,6 +126,11 @@ def test_api_run_says_what_it_resumed_from_and_overwrite_starts_afresh(first_run
     run = workbench.launch("tiny", out=out, nproc=1, steps=FIRST_STEPS + 1, seed=3, resume="latest")
     assert run.start_step == FIRST_STEPS  # known at launch, before the ranks have loaded anything
     run.wait(TIMEOUT_S)
+    # One process: the default load copied the weights into the model and left the fresh optimizer's state on
+    # the mapped checkpoint files (tests/test_checkpoint_mmap.py), and the resume event says so.
+    (resume,) = [e for e in read_events(out) if e["type"] == "resume"]
+    assert resume["read"]["mmap"] == "auto" and resume["read"]["path"] == "mmap", resume["read"]
+    assert resume["read"]["mapped"] > 0 and resume["read"]["copied"] > 0, resume["read"]
     resumed = run.resumed
     assert isinstance(resumed, Resumed) and resumed.step == FIRST_STEPS and run.start_step == FIRST_STEPS
     assert resumed.path == str(out / "checkpoints" / f"step-{FIRST_STEPS:06d}")

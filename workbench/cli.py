@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 from workbench.cli_output import EXIT_FAILED, EXIT_USAGE, emit_json, error, unexpected
-from workbench.config import PRESETS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -22,6 +21,7 @@ from workbench.config import PRESETS
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
+    from workbench.config import PRESETS
     from workbench.settings import add_arguments, output_dir, ranks, seconds
 
     p = sub.add_parser("train", help="train a model on N local processes through torchrun",
@@ -202,8 +202,13 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
-# Command groups that live next to the API they front: each module exposes ``add_parser(sub)``.
-_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.prediction.cli", "workbench.checkpoint.cli", "workbench.spmd.cli", "workbench.kernels.cli", "workbench.rl.cli", "workbench.embedding.cli", "workbench.doctor"]
+# Command groups that live next to the API they front: each module exposes ``add_parser(sub)``. Building the
+# parser imports them all, so none may import torch, pandas or Triton before its handler runs (help and
+# --version stay fast; tests/test_imports.py). spmd's and kernels' live beside this file because importing
+# those packages registers rules and custom ops.
+_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.prediction.cli", "workbench.checkpoint.cli",
+                               "workbench.cli_spmd", "workbench.cli_kernels", "workbench.rl.cli",
+                               "workbench.embedding.cli", "workbench.doctor"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,15 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _Parser.json_requested = "--json" in (sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    from workbench.compat import MissingTorchAPI
+    given = sys.argv[1:] if argv is None else argv
+    if list(given) == ["--version"]:  # what argparse's version action does, without building every parser first
+        from workbench.version import __version__
 
+        print(f"workbench {__version__}")
+        sys.exit(0)
+    _Parser.json_requested = "--json" in given
+    args = build_parser().parse_args(argv)
     as_json = getattr(args, "json", False)
     try:
         return args.func(args)
-    except MissingTorchAPI as e:  # a feature this torch cannot run (workbench doctor lists them)
-        return error(f"{e}; this command needs it (see `workbench doctor`)", as_json, EXIT_FAILED)
     except BrokenPipeError:  # `workbench ... | head` closed stdout early: end quietly and well, like other tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
         return 0
@@ -241,7 +248,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # our checks' one-line messages: bad input
         return unexpected(e, as_json, code=EXIT_USAGE, hint=False)
     except Exception as e:  # noqa: BLE001
+        if _missing_torch_api(e):  # a feature this torch cannot run (workbench doctor lists them)
+            return error(f"{e}; this command needs it (see `workbench doctor`)", as_json, EXIT_FAILED)
         return unexpected(e, as_json, subject=_subject(args))
+
+
+def _missing_torch_api(e: Exception) -> bool:
+    """``e`` is workbench.compat's MissingTorchAPI (only a command that imported compat, and so torch, can
+    raise it: the commands that need no torch never load it)."""
+    compat = sys.modules.get("workbench.compat")
+    return compat is not None and isinstance(e, compat.MissingTorchAPI)
 
 
 def _subject(args: argparse.Namespace) -> str | None:

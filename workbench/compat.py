@@ -177,9 +177,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
             if_missing="pp_schedule='GPipeLean' is refused; GPipe, 1F1B and Interleaved1F1B work"),
     Feature("plan.fake_pg", "plans on a fake process group", ("FakeStore",),
             if_missing="workbench plan cannot simulate a job"),
-    Feature("plan.simulate", "plan simulation of FSDP2, DDP and ZeRO-1",
-            ("HSDPMeshInfo", "StridedShard", "fsdp_state", "zero_partition", "ddp_verify_shapes",
+    Feature("plan.simulate", "plan simulation of FSDP2 and DDP",
+            ("HSDPMeshInfo", "StridedShard", "fsdp_state", "ddp_verify_shapes",
              "ddp_sync_states", "op_dispatcher", f"{_DT}._redistribute"), requires=("plan.fake_pg",)),
+    # Apart: checking it imports torch.distributed.optim (~0.2 s of CPU), which only zero=1 plans use.
+    Feature("plan.zero1", "plan simulation of ZeRO-1", ("zero_partition",), requires=("plan.simulate",)),
     Feature("memory.probe", "memory probe (per-category bytes)",
             ("TorchDispatchMode", "is_traceable_wrapper_subclass", "pytree")),
     Feature("memory.recorder", "memory timelines (workbench train --memory, workbench memory predict)",

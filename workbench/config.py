@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.kernels.backend import BACKENDS as KERNEL_BACKENDS
 from workbench.schema import check as _check_settings
 from workbench.schema import setting, show
+
+# Our custom ops' implementations (TrainConfig.kernels; workbench.kernels.backend reads them from here, so
+# this module, and the command line's help built from it, load without torch).
+KERNEL_BACKENDS = ("auto", "triton", "torch")
 
 __all__ = [
     "ModelConfig",

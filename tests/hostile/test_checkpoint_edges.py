@@ -22,13 +22,13 @@ import json
 import os
 import pickle
 import resource
-import shutil
 import struct
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -241,7 +241,7 @@ def _workbench_step(d: Path) -> tuple[Path, torch.nn.Module, torch.optim.Optimiz
 def test_packed_hyperparameters_claiming_a_terabyte_are_refused_by_load_and_listing(tmp_path):
     """The packed hyper-parameters (optim.hyper.<digest>, a uint8 tensor) are the one load target allocated
     at the checkpoint's own shape; param_groups reads them from the metadata alone. 2**40 bytes claimed."""
-    from workbench.checkpoint import CheckpointFormatError, load, param_groups
+    from workbench.checkpoint import load, param_groups
 
     step, model, opt = _workbench_step(tmp_path / "ckpts")
     hyper = []
@@ -252,12 +252,30 @@ def test_packed_hyperparameters_claiming_a_terabyte_are_refused_by_load_and_list
                 hyper.append(key)
                 _set_size(md, key, (2 ** 40,), (2 ** 40,))
 
+    honest = (step / ".metadata").read_bytes()
     _rewrite_metadata(step, inflate)
     assert hyper
     manifest = json.loads((step / "workbench.json").read_text())
     if ".metadata" in manifest.get("files", {}):  # keep the recorded size: the load's cheap check passes
         manifest["files"][".metadata"]["bytes"] = (step / ".metadata").stat().st_size
-        (step / "workbench.json").write_text(json.dumps(manifest))
+    # The saver's index of where each tensor lies (workbench.checkpoint.index) would stand in for .metadata in
+    # a load in one process: without it, the load reads the inflated .metadata.
+    index = json.loads(manifest.pop("index"))
+    digest = manifest.pop("index_xxh3_64")
+    (step / "workbench.json").write_text(json.dumps(manifest))
+    kind, msg = _in_capped_child(lambda: load(step, model, opt, verify=False))
+    assert kind == "CheckpointFormatError", (kind, msg)
+    assert repr(hyper[0]) in msg and "claims 1.00 TiB" in msg, msg
+    # The same claim made by the index itself (signed, and its item as long as the claim), beside the honest
+    # .metadata, is refused alike.
+    (step / ".metadata").write_bytes(honest)
+    manifest["files"][".metadata"]["bytes"] = len(honest)
+    entry = index["tensors"][hyper[0]]
+    entry[2], entry[4] = 2 ** 40, [2 ** 40]
+    text = json.dumps(index)
+    assert xxhash.xxh3_64_hexdigest(text.encode()) != digest
+    manifest.update(index=text, index_xxh3_64=xxhash.xxh3_64_hexdigest(text.encode()))
+    (step / "workbench.json").write_text(json.dumps(manifest))
     kind, msg = _in_capped_child(lambda: load(step, model, opt, verify=False))
     assert kind == "CheckpointFormatError", (kind, msg)
     assert repr(hyper[0]) in msg and "claims 1.00 TiB" in msg, msg

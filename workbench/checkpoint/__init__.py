@@ -38,16 +38,45 @@ Use::
     load("runs/a", model, optimizer, scheduler=sched, rng=True)    # the full train state
 """
 
-from workbench.checkpoint.store import CheckpointStore, is_complete, read_manifest, resolve_checkpoint, step_name
-from workbench.checkpoint.state import TrainState, model_view
-from workbench.checkpoint.saver import EMA, Checkpointer, CheckpointError, save
-from workbench.checkpoint.load import LoadResult, check_model_fits, checkpoint_shapes, load, read_metadata
-from workbench.checkpoint.safeload import CheckpointFormatError
-from workbench.checkpoint.manifest import CheckpointManifest
-from workbench.checkpoint.contents import inspect
-from workbench.checkpoint.verify import VerifyReport, verify
-from workbench.checkpoint.diff import CheckpointDiff, diff
-from workbench.checkpoint.formats import ExportResult, export, iter_tensors, load_into, read_tensor
-from workbench.checkpoint.stats import tensor_stats
-from workbench.checkpoint.param_groups import ParamGroup, param_groups
-from workbench.checkpoint.plan_load import LoadPlan, plan_load
+import sys
+from importlib import import_module
+from types import ModuleType
+
+# name -> its module, imported on first use (PEP 562): the readers and writers import torch, so a process
+# that needs one piece (`workbench ckpt --help`, the Jupyter server's manifest reader) loads only that.
+_WHERE = {
+    "CheckpointStore": "store", "is_complete": "store", "read_manifest": "store", "resolve_checkpoint": "store",
+    "step_name": "store", "TrainState": "state", "model_view": "state", "EMA": "saver", "Checkpointer": "saver",
+    "CheckpointError": "saver", "save": "saver", "LoadResult": "load", "check_model_fits": "load",
+    "checkpoint_shapes": "load", "load": "load", "read_metadata": "load", "CheckpointFormatError": "safeload",
+    "CheckpointManifest": "manifest", "inspect": "contents", "VerifyReport": "verify", "verify": "verify",
+    "CheckpointDiff": "diff", "diff": "diff", "ExportResult": "formats", "export": "formats",
+    "iter_tensors": "formats", "load_into": "formats", "read_tensor": "formats", "tensor_stats": "stats",
+    "ParamGroup": "param_groups", "param_groups": "param_groups", "LoadPlan": "plan_load", "plan_load": "plan_load",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = globals()[name] = getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
+
+class _Package(ModuleType):
+    """Keeps ``workbench.checkpoint.load`` (and verify, diff, plan_load, param_groups) the function, as
+    when this package imported them eagerly: importing a submodule binds it to its package's attribute of
+    the same name, which would otherwise replace the function with the module."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, ModuleType) and _WHERE.get(name) == name:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -244,8 +244,12 @@ def cmd_plan_load(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------------------------------
 
+# workbench.checkpoint.stats.MAX_BINS, whose module imports torch, which the parser must not (a test keeps
+# the two equal: tests/test_imports.py)
+MAX_BINS = 10_000
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from workbench.checkpoint.stats import MAX_BINS
     from workbench.settings import bounded
 
     p = sub.add_parser("ckpt", help="inspect, verify, diff, convert and plan-load checkpoints",

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint import CheckpointException  # a BaseException,
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from workbench.checkpoint import quant
+from workbench.checkpoint.index import index_metadata
 from workbench.checkpoint.safeload import SafeFileSystemReader, check_claims, read_dcp_metadata
 from workbench.checkpoint.state import TrainState, is_packed_hyper, local_optimizer
 from workbench.checkpoint.store import MANIFEST, BackgroundVerify, read_manifest, resolve_checkpoint
@@ -98,7 +99,9 @@ class LoadResult:
     manifest: dict[str, Any] = field(default_factory=dict)
     # How this rank's tensors were read (directread.ReadStats.to_dict()): "path" is "direct" (every item
     # read straight into place), "direct+narrow" (some items were parts of saved chunks: the layout
-    # changed), "mixed" or "dcp" (items DCP's torch.load path read; "dcp_reasons" says why).
+    # changed), "mixed" or "dcp" (items DCP's torch.load path read; "dcp_reasons" says why), or "mmap"
+    # (tensors left on the mapped files: "mapped", "mapped_bytes"; "copied", "copied_bytes" the rest);
+    # "mmap" what was asked ("auto", "on", "off") and "not_mapped" why tensors were not mapped.
     read: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,7 +140,7 @@ def _resolve_everywhere(path: str | Path, group, verify: bool) -> Path:
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          scheduler=None, ema=None, rng: bool = False, process_group=None, verify: bool = True,
-         direct: bool = True, mmap: bool = False) -> LoadResult:
+         direct: bool = True, mmap: bool | None = None) -> LoadResult:
     """Load a checkpoint into ``model`` as it is laid out now (any layout); with ``optimizer``, the full state.
 
     ``path``: a ``step-NNNNNN`` directory, a ``checkpoints/`` directory or a run directory (its newest
@@ -148,10 +151,14 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     before the optimizer, scheduler and RNG take the values; a run or checkpoints directory then falls back
     to its newest intact step and loads that. ``direct``: read tensor bytes straight into place
     (:mod:`workbench.checkpoint.directread`; DCP still plans which saved chunks each tensor needs);
-    False: DCP's reader, one ``torch.load`` per item. ``mmap``: in one process, point the model's and
-    optimizer's tensors at the memory-mapped files instead of copying (:mod:`workbench.checkpoint.mmapload`:
-    zero-copy, copy-on-write; ``read["path"]`` is then ``"mmap"``; where it cannot apply, the direct path
-    runs). Returns a :class:`LoadResult`, whose ``read`` says which path the bytes took.
+    False: DCP's reader, one ``torch.load`` per item. ``mmap`` (in one process; elsewhere the direct path
+    runs): True points the model's and optimizer's tensors at the memory-mapped files instead of copying
+    (:mod:`workbench.checkpoint.mmapload`: zero-copy, copy-on-write); False copies every tensor into place;
+    None (the default) copies into tensors that have memory already and maps only what needs new memory
+    anyway, a fresh optimizer's state on resume, where no file could change under the mapping. A fresh
+    optimizer's state is made from the checkpoint, not by torch's zero-gradient step. Returns a
+    :class:`LoadResult`, whose ``read`` says which path the bytes took (``"mmap"`` when any tensor was left
+    mapped), how many tensors and bytes were ``mapped`` and ``copied``, and why not mapped (``not_mapped``).
     """
     group = _group(process_group)
     ckpt = _resolve_everywhere(path, group, verify=False)  # sizes now; checksums overlap the read below
@@ -161,58 +168,62 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         manifest = read_manifest(ckpt) if (ckpt / MANIFEST).exists() else None
     except ValueError:
         manifest = None  # damaged: the verification below names it (or the read fails and says so)
-    maps = None
+    maps, hazards = None, []
     if (mmap or direct) and single and manifest is not None:
         from workbench.checkpoint.mmapload import map_files
 
-        maps = map_files(ckpt, manifest)  # hashed through these, the tensors' pages come in with the check
+        # hashed through these, the tensors' pages come in with the check
+        maps = map_files(ckpt, manifest, hazards=hazards if mmap is None else None)
     checker = BackgroundVerify(ckpt, manifest=manifest, mapped=maps) \
         if verify and rank == 0 and (ckpt / MANIFEST).exists() else None
     state = TrainState(model, optimizer, scheduler, ema, rank=rank)
-    metadata = read_metadata(ckpt)
-    shapes = checkpoint_shapes(ckpt, metadata)
-    packed = {k[len("optim."):]: shape for k, (shape, _) in shapes.items() if is_packed_hyper(k)}
-    # the packed hyperparameters' targets are allocated at the shapes .metadata claims (every other target
-    # has the model's shapes): held against their chunks and data files first
-    check_claims(metadata, ckpt, [f"optim.{k}" for k in packed])
-    targets = state.load_targets(optimizer=optimizer is not None, rng=rng, hyper=packed or None, direct=single)
-    if single and not _keys_match(targets, shapes):  # the direct walk guessed other names: torch's walk decides
-        targets = state.load_targets(optimizer=optimizer is not None, rng=rng, hyper=packed or None)
-    check_model_fits(ckpt, targets["model"], shapes=shapes)
-    quantized = quant.load_targets(targets, shapes)  # moments saved as int8/fp8 + scales: read those
-    skipped: list[str] = []
-    for key, container, sub in list(_leaves(targets)):
-        if key in shapes:
-            continue
-        # Optional parts: this rank's RNG (another world size), EMA, scheduler, hyperparameters.
-        if key.startswith(("rng.", "ema.", "sched.", "optim.param_groups.", "extra.")):
-            del container[sub]
-            skipped.append(key)
-            continue
-        raise ValueError(f"checkpoint {ckpt.name} has no {key}; it was saved without that state "
-                         "(load with optimizer=None for weights only)")
-    for kind in [k for k, v in targets.items() if isinstance(v, dict) and not _has_leaf(v)]:
-        del targets[kind]
-    mapped = None
+    # One process, a manifest: the saver's index of where each tensor lies (workbench.checkpoint.index)
+    # stands in for .metadata, whose unpickling is the largest part of a mapped load otherwise.
+    indexed = index_metadata(manifest) if maps is not None else None
+    metadata = indexed if indexed is not None else read_metadata(ckpt)
+    shapes, packed = _shapes(ckpt, metadata)
+    # A fresh optimizer (a resumed run's) gets its state made from the checkpoint where the bytes come from
+    # the mapped files (new_state), not by torch's zero-gradient step; any other read takes torch's walk.
+    new_state: dict[int, tuple[torch.Tensor, str]] = {}
+    fresh = dict(saved=shapes, names=set(metadata.state_dict_metadata), new_state=new_state) \
+        if maps is not None else {}
+    targets, quantized, skipped = _targets(state, ckpt, shapes, packed, optimizer is not None, rng, single, fresh)
+    mapped, why = None, []
     if (mmap or direct) and maps is not None and not quantized:
         # One process, every tensor stored whole: the bytes are taken from the mapped files (a copying load
         # copies them from there into place), without DCP's read planning.
         from workbench.checkpoint.mmapload import mapped_tensors
 
-        mapped = mapped_tensors(ckpt, metadata, targets, manifest=manifest, maps=maps)
+        mapped = mapped_tensors(ckpt, metadata, targets, manifest=manifest, maps=maps, why=why)
+    if mapped is None and (indexed is not None or new_state):
+        # read another way: with DCP's own .metadata, and a fresh optimizer's state by torch's walk
+        if indexed is not None:
+            metadata = read_metadata(ckpt)
+            shapes, packed = _shapes(ckpt, metadata)
+        new_state.clear()
+        targets, quantized, skipped = _targets(state, ckpt, shapes, packed, optimizer is not None, rng, single, {})
     if mapped is not None:
         from workbench.checkpoint.mmapload import plan_hyper, plan_pointing, point_at, set_hyper
         from workbench.checkpoint.state import HYPER_PREFIX, unpack_hyper
 
         tensors, mstats = mapped
-        mstats_dict = {**mstats.to_dict(), "path": "mmap" if mmap else "direct"}
+        # mmap=None: what has memory of its own takes a copy, what needs new memory is mapped (mmapload's
+        # docstring says why), unless a file could change under a mapping (hazards: then all is copied)
+        mode = "map" if mmap else "copy" if mmap is False or hazards else "auto"
         # Everything is worked out while the checksums are computed. A mapped load changes nothing until they
         # match; a copying load copies into place meanwhile, as the read below does (the optimizer, scheduler
         # and RNG take their values only after the match).
         opt = local_optimizer(optimizer) if optimizer is not None else None
-        actions, copied = plan_pointing(targets, tensors, state.view, opt, copy=not mmap)
-        if not mmap:
-            point_at(actions)
+        actions, copied, counts = plan_pointing(targets, tensors, state.view, opt, mode=mode, new_state=new_state)
+        unmapped = None
+        if mmap is None and hazards:
+            unmapped = hazards[0]
+        elif mmap is None and not counts["mapped"]:
+            unmapped = "every tensor has memory of its own here: copied into it"
+        report = {**mstats.to_dict(), "path": "mmap" if counts["mapped"] else "direct", **counts,
+                  **_mmap_report(mmap, unmapped)}
+        if mode != "map":
+            point_at(actions, pointing=False)
         optim = targets.get("optim")
         hyper_updates = None
         if optim is not None and not copied:
@@ -226,8 +237,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
             intact = _resolve_everywhere(path, group, verify=True)
             return load(intact, model, optimizer, scheduler=scheduler, ema=ema, rng=rng,
                         process_group=process_group, verify=False, direct=direct, mmap=mmap)
-        if mmap:
-            point_at(actions)
+        point_at(actions, copies=mode == "map")
         targets.setdefault("extra", {})
         optim = targets.pop("optim", None)
         if optim is not None:  # the state tensors are the optimizer's own now; the hyperparameters remain
@@ -238,7 +248,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         state.apply_loaded(targets, model_in_place=True)
         if optim is not None:
             targets["optim"] = optim
-        return _result(ckpt, state, targets, skipped, ema, mstats_dict, manifest)
+        return _result(ckpt, state, targets, skipped, ema, report, manifest)
     reader = SafeFileSystemReader(ckpt)
     reader._cached = metadata  # read once above; DCP asks for it again
     reader.direct = direct
@@ -257,14 +267,61 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         # hashed before this second load, as it is only read after a damaged one).
         intact = _resolve_everywhere(path, group, verify=True)
         return load(intact, model, optimizer, scheduler=scheduler, ema=ema, rng=rng, process_group=process_group,
-                    verify=False, direct=direct)
+                    verify=False, direct=direct, mmap=mmap)
     if read_error is not None:
         raise _one_line(ckpt, read_error) from read_error
     quant.dequantize_loaded(targets, quantized)
     targets.setdefault("extra", {})
     state.apply_loaded(targets)
     stats = getattr(reader, "stats", None)
-    return _result(ckpt, state, targets, skipped, ema, stats.to_dict() if stats else {}, manifest)
+    unmapped = "not one process" if not single else "direct=False: DCP's reader" if not direct else \
+        "no readable manifest" if manifest is None else "moments stored quantized: dequantized into place" \
+        if quantized else why[0] if why else "the files could not be mapped"
+    return _result(ckpt, state, targets, skipped, ema,
+                   {**(stats.to_dict() if stats else {}), **_mmap_report(mmap, unmapped)}, manifest)
+
+
+def _shapes(ckpt: Path, metadata: Metadata) -> tuple[dict, dict]:
+    """The checkpoint's tensors (key -> (shape, dtype)) and its packed hyperparameter items (key -> shape)."""
+    shapes = checkpoint_shapes(ckpt, metadata)
+    packed = {k[len("optim."):]: shape for k, (shape, _) in shapes.items() if is_packed_hyper(k)}
+    # the packed hyperparameters' targets are allocated at the shapes .metadata claims (every other target
+    # has the model's shapes): held against their chunks and data files first
+    check_claims(metadata, ckpt, [f"optim.{k}" for k in packed])
+    return shapes, packed
+
+
+def _mmap_report(mmap: bool | None, unmapped: str | None) -> dict[str, Any]:
+    """The ``read`` fields that say what was asked of mapping and, where tensors were not mapped, why."""
+    return {"mmap": "auto" if mmap is None else "on" if mmap else "off",
+            **({"not_mapped": unmapped} if unmapped and mmap is not False else {})}
+
+
+def _targets(state: TrainState, ckpt: Path, shapes: dict, packed: dict, optimizer: bool, rng: bool, single: bool,
+             fresh: dict[str, Any]) -> tuple[dict[str, Any], list, list[str]]:
+    """The load's targets (:meth:`TrainState.load_targets`; ``fresh``: its ``saved``, ``names`` and
+    ``new_state`` for a fresh optimizer), the quantized moments to read in their stead, and the optional
+    keys the checkpoint lacks (dropped); a required key it lacks is refused in one line."""
+    targets = state.load_targets(optimizer=optimizer, rng=rng, hyper=packed or None, direct=single, **fresh)
+    if single and not _keys_match(targets, shapes):  # the direct walk guessed other names: torch's walk decides
+        fresh.get("new_state", {}).clear()
+        targets = state.load_targets(optimizer=optimizer, rng=rng, hyper=packed or None)
+    check_model_fits(ckpt, targets["model"], shapes=shapes)
+    quantized = quant.load_targets(targets, shapes)  # moments saved as int8/fp8 + scales: read those
+    skipped: list[str] = []
+    for key, container, sub in list(_leaves(targets)):
+        if key in shapes:
+            continue
+        # Optional parts: this rank's RNG (another world size), EMA, scheduler, hyperparameters.
+        if key.startswith(("rng.", "ema.", "sched.", "optim.param_groups.", "extra.")):
+            del container[sub]
+            skipped.append(key)
+            continue
+        raise ValueError(f"checkpoint {ckpt.name} has no {key}; it was saved without that state "
+                         "(load with optimizer=None for weights only)")
+    for kind in [k for k, v in targets.items() if isinstance(v, dict) and not _has_leaf(v)]:
+        del targets[kind]
+    return targets, quantized, skipped
 
 
 def _keys_match(targets: dict[str, Any], shapes: dict[str, Any]) -> bool:

@@ -13,7 +13,20 @@ the checkpoint stores it whole, contiguous, of the same dtype and shape, at an a
 default item format; quantized moments are dequantized (a copy), and anything else falls back to
 :mod:`workbench.checkpoint.directread`'s copying path. The caveat of every memory-mapped load holds: the
 files must not be truncated or rewritten in place while the tensors map them (workbench never does;
-saves write new files and rename them, and rotation's deletes leave mapped pages readable).
+saves write new files and rename them, and rotation's deletes leave mapped pages readable). A truncated
+file takes the mapped pages with it, private copies included (the next read is a SIGBUS), and a file
+rewritten in place changes every page not yet written; a deleted file's blocks stay allocated while it
+is mapped.
+
+What the default load (``mmap=None``) maps, and why (:func:`plan_pointing`). The first training step after
+a load writes every parameter and moment. A written mapped page costs a fault and a page copy: 167 ms for
+305 MiB on this 2-core VM (0.55 ms/MiB), against 25 ms to copy the same bytes into memory that is already
+faulted in, and 136 ms into new memory (its faults). So a tensor that has memory of its own (a parameter,
+a buffer, optimizer state that exists) takes a copy, and only what needs new memory anyway (a fresh
+optimizer's state, on resume) is mapped: its pages are then allocated when the step first writes them
+instead of during the load, which returns sooner. That happens only where :func:`mapping_hazard` finds
+nothing: files owned by this user, writable by no one else, on a local file system, on Linux, with free
+space on their disk for what they hold (a resumed run keeps the resumed step's blocks until it exits).
 """
 
 from __future__ import annotations
@@ -21,7 +34,9 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import shutil
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +46,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from workbench.checkpoint.directread import _LOCAL, SPAN_MIN, ReadStats, _Unsupported, parse_item
 from workbench.checkpoint.safeload import CheckpointFormatError
 
-__all__ = ["map_files", "mapped_tensors", "plan_pointing", "point_at", "plan_hyper", "set_hyper"]
+__all__ = ["map_files", "mapping_hazard", "mapped_tensors", "plan_pointing", "point_at", "plan_hyper",
+           "set_hyper"]
 
 _SMALL = 1 << 12  # tensors up to this many bytes are copied out of the mapping (scalars, RNG, hyperparameters)
 
@@ -44,19 +60,74 @@ def _leaves(d: dict[str, Any], prefix: str = ""):
             yield f"{prefix}{k}", d, k
 
 
-def map_files(ckpt: Path, manifest: dict[str, Any]) -> dict[str, mmap.mmap]:
-    """Copy-on-write mappings of a checkpoint's shard files (by name), as the manifest lists them."""
+# File systems where another machine or a user-space server can change a file under a mapping: a mapping
+# of such a file is never left in place by default (explicit mmap=True still maps).
+_SHARED_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "9p", "afs", "ceph", "glusterfs",
+                        "lustre", "gpfs", "beegfs", "orangefs", "gfs2", "ocfs2", "virtiofs", "fuse"})
+
+
+def _fs_type(st: os.stat_result) -> str | None:
+    """The type of the file system holding a file (``/proc/self/mountinfo``, by device); None if unknown."""
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == dev and " - " in line:
+                    return line.split(" - ", 1)[1].split()[0]
+    except OSError:
+        pass
+    return None
+
+
+def mapping_hazard(path: Path, st: os.stat_result) -> str | None:
+    """Why leaving tensors mapped onto this file is not safe (one line), or None: its owner is not this
+    user, someone else may write it, it is on a shared or user-space file system, or this is not Linux
+    (where a mapped file can be replaced, or deleted by rotation, while it is mapped)."""
+    import stat
+
+    if not sys.platform.startswith("linux"):
+        return f"{path}: mapped files are left in place on Linux only (here: {sys.platform})"
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"{path}: owned by another user (uid {st.st_uid}), who could rewrite it under the mapping"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path}: writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'}, who could " \
+               "rewrite it under the mapping"
+    fs = _fs_type(st)
+    if fs is not None and (fs in _SHARED_FS or (fs.startswith("fuse.") and fs != "fuseblk")):
+        return f"{path}: on a {fs} file system, where it can change under the mapping"
+    return None
+
+
+def map_files(ckpt: Path, manifest: dict[str, Any], hazards: list[str] | None = None) -> dict[str, mmap.mmap]:
+    """Copy-on-write mappings of a checkpoint's shard files (by name), as the manifest lists them.
+    ``hazards``: gets what :func:`mapping_hazard` finds about each mapped file."""
     from workbench.safeio import FileRefused, confine, open_regular
 
     maps = {}
     for name in (manifest.get("files") or {}):
         if isinstance(name, str) and name.endswith(".distcp"):
             try:  # a file inside the checkpoint directory, regular (never a link out, a FIFO or a device)
-                with open_regular(confine(ckpt, name, ckpt / "workbench.json", "data file"), "DCP data file") as f:
-                    if os.fstat(f.fileno()).st_size:
+                path = confine(ckpt, name, ckpt / "workbench.json", "data file")
+                with open_regular(path, "DCP data file") as f:
+                    st = os.fstat(f.fileno())
+                    if st.st_size:
                         maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                        if hazards is not None and (why := mapping_hazard(ckpt / name, st)) is not None:
+                            hazards.append(why)
             except (OSError, FileRefused):
                 continue  # missing, unreadable or refused: verification names it; the load reads what it can
+    if hazards is not None and maps and not hazards:
+        # A mapped file keeps its blocks until the process exits, even once rotation has deleted it: the next
+        # save must then find room beside it.
+        mapped = sum(len(m) for m in maps.values())
+        try:
+            free = shutil.disk_usage(ckpt).free
+        except OSError:
+            free = None
+        if free is not None and free < mapped:
+            hazards.append(f"{ckpt}: its disk has {free:,} bytes free, less than the {mapped:,} its files hold; "
+                           "mapped, they would stay allocated after rotation deletes them")
     return maps
 
 
@@ -109,13 +180,18 @@ def _span_start(spans, info, nbytes: int) -> int | None:
 
 
 def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any], *, manifest: dict[str, Any] | None = None,
-                   maps: dict[str, mmap.mmap] | None = None) -> tuple[dict[str, torch.Tensor], ReadStats] | None:
+                   maps: dict[str, mmap.mmap] | None = None, why: list[str] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], ReadStats] | None:
     """``key -> tensor`` for every leaf of ``targets``, backed by the mapped files (small ones copied out),
-    or None when some leaf cannot be mapped (then nothing was changed).
+    or None when some leaf cannot be mapped (then nothing was changed, and ``why`` gets the reason).
 
     ``maps``: the files already mapped (:func:`map_files`); ``manifest``: its recorded spans locate each
     large tensor without parsing its item (``torch.save``'s zip directory and pickle), which is most of
     this function's time otherwise."""
+    def no(reason: str) -> None:
+        if why is not None:
+            why.append(reason)
+
     md = metadata.state_dict_metadata
     whole = {idx.fqn: info for idx, info in metadata.storage_data.items()  # items that start at offset 0
              if isinstance(idx.offset, torch.Size) and not any(idx.offset)}
@@ -126,16 +202,20 @@ def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any], *, manifest: d
         # Plain tensors and parameters only: a tensor subclass (a DTensor, which an nn.Parameter of one also
         # is) keeps its data elsewhere, and pointing it at a mapped buffer would break it.
         if type(dest) not in (torch.Tensor, torch.nn.Parameter):
-            return None
-        if not isinstance(meta, TensorStorageMetadata) or len(meta.chunks) != 1 or not dest.is_cpu:
-            return None
-        chunk = meta.chunks[0]
-        if tuple(chunk.sizes) != tuple(meta.size) or tuple(meta.size) != tuple(dest.shape) \
-                or meta.properties.dtype != dest.dtype:
-            return None
+            return no(f"{key} is a {type(dest).__name__} here, whose data lives elsewhere")
+        if not isinstance(meta, TensorStorageMetadata):
+            return no(f"{key} is not a tensor in the checkpoint")
+        if not dest.is_cpu:
+            return no(f"{key} is on {dest.device} here")
+        chunk = meta.chunks[0] if len(meta.chunks) == 1 else None
+        if chunk is None or tuple(chunk.sizes) != tuple(meta.size):
+            return no(f"{key} is stored in {len(meta.chunks)} pieces")
+        if tuple(meta.size) != tuple(dest.shape) or meta.properties.dtype != dest.dtype:
+            return no(f"{key} is {meta.properties.dtype} {tuple(meta.size)} in the checkpoint, "
+                      f"{dest.dtype} {tuple(dest.shape)} here")
         info = whole.get(key)
         if info is None or getattr(info, "transform_descriptors", None):
-            return None
+            return no(f"{key} is not stored as one plain item")
         wanted[key] = (info, dest)
     maps = dict(maps or {})
     spans = _spans(manifest)
@@ -151,7 +231,7 @@ def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any], *, manifest: d
                                       error=CheckpointFormatError), "DCP data file", error=CheckpointFormatError) as f:
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
-                    return None
+                    return no(f"{ckpt / info.relative_path} is empty")
                 mm = maps[info.relative_path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         if info.offset + info.length > len(mm):
             raise CheckpointFormatError(ckpt / info.relative_path, f"is {len(mm)} bytes but an item ends at "
@@ -169,16 +249,16 @@ def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any], *, manifest: d
             item = memoryview(mm)[info.offset:info.offset + info.length]
             try:
                 st, _ = parse_item(item, item, info.length, dest.dtype)
-            except _Unsupported:
-                return None
+            except _Unsupported as e:
+                return no(f"{key}: {e}")
             finally:
                 item.release()
             start = info.offset + st.data_offset
             if not (st.contiguous and st.storage_offset == 0 and st.size == tuple(dest.shape)) \
                     or st.data_offset + nbytes > info.length:
-                return None
+                return no(f"{key} is not stored dense and whole")
         if start % max(dest.element_size(), 1):
-            return None
+            return no(f"{key} is not aligned in its file")
         if dest.numel() == 0:
             t = torch.empty_like(dest)
         else:
@@ -192,15 +272,21 @@ def mapped_tensors(ckpt: Path, metadata, targets: dict[str, Any], *, manifest: d
 
 
 def plan_pointing(targets: dict[str, Any], mapped: dict[str, torch.Tensor], model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer | None, copy: bool = False) -> tuple[list, int]:
+                  optimizer: torch.optim.Optimizer | None, mode: str = "map",
+                  new_state: dict[int, tuple[torch.Tensor, str]] | None = None) -> tuple[list, int, dict[str, int]]:
     """What pointing the model and optimizer at ``mapped`` takes, worked out without changing anything (a
-    load decides this while the checksums are still being computed, and applies it once they match):
-    parameters and buffers are repointed where the target tensor is theirs (found by identity of storage),
-    optimizer state tensors replaced in ``optimizer.state``, and anything else (a view the state dict made,
-    a scheduler's or RNG's fresh tensor) copied into. Returns the actions for :func:`point_at` and how many
-    optimizer state tensors are copied into a target that may not be the optimizer's own (then the
-    optimizer must be given the state as usual). ``copy``: copy every value into its target instead (a
-    copying load: the tensors keep their memory; the optimizer's own state tensors take theirs in place)."""
+    load decides this while the checksums are still being computed, and applies it once they match).
+
+    ``mode="map"``: parameters and buffers are repointed where the target tensor is theirs (found by
+    identity of storage), optimizer state tensors replaced in ``optimizer.state``, and anything else (a view
+    the state dict made, a scheduler's or RNG's fresh tensor) copied into. ``"copy"``: every value is copied
+    into its target (the tensors keep their memory). ``"auto"``: copied where the target has memory of its
+    own, mapped only where it has none (``new_state``: targets made for a fresh optimizer,
+    ``id(target) -> (parameter, name)``, which are installed into ``optimizer.state`` either way).
+
+    Returns the actions for :func:`point_at`, how many optimizer state tensors are copied into a target
+    that may not be the optimizer's own (then the optimizer must be given the state as usual), and counts:
+    ``mapped``/``mapped_bytes`` (tensors left on the mapped files) and ``copied``/``copied_bytes``."""
     params = {p.data_ptr(): p for p in model.parameters() if p.numel()}
     buffers = {b.data_ptr(): (mod, name) for mod in model.modules() for name, b in mod._buffers.items()
                if b is not None and b.numel()}
@@ -210,14 +296,25 @@ def plan_pointing(targets: dict[str, Any], mapped: dict[str, torch.Tensor], mode
             for name, v in st.items():
                 if isinstance(v, torch.Tensor):
                     opt_state[id(v)] = (st, name)
+    new_state = new_state or {}
     actions, copied_optim = [], 0
+    counts = {"mapped": 0, "mapped_bytes": 0, "copied": 0, "copied_bytes": 0}
     for key, container, sub in _leaves(targets):
         dest, src = container[sub], mapped[key]
+        nbytes = src.numel() * src.element_size()
+        if id(dest) in new_state:  # a fresh optimizer's state: installed, mapped or as a copy
+            param, name = new_state[id(dest)]
+            keep = mode != "copy" or nbytes <= _SMALL  # small ones were copied out of the mapping already
+            actions.append(("new", (optimizer.state, param), name, (src if keep else dest, src), container, sub))
+            big = nbytes > _SMALL and keep
+            counts["mapped" if big else "copied"] += 1
+            counts["mapped_bytes" if big else "copied_bytes"] += nbytes
+            continue
         exact = dest.numel() and dest.is_contiguous() and dest.storage_offset() == 0 \
             and dest.untyped_storage().nbytes() == dest.numel() * dest.element_size()
-        if copy:
+        if mode != "map" or nbytes <= _SMALL:
             actions.append(("copy", dest, None, src, None, None))
-            copied_optim += key.startswith("optim.state.") and id(dest) not in opt_state
+            copied_optim += mode == "map" and key.startswith("optim.state.") and id(dest) not in opt_state
         elif exact and dest.data_ptr() in params and params[dest.data_ptr()].shape == src.shape:
             actions.append(("param", params[dest.data_ptr()], None, src, container, sub))
         elif exact and dest.data_ptr() in buffers:
@@ -229,18 +326,32 @@ def plan_pointing(targets: dict[str, Any], mapped: dict[str, torch.Tensor], mode
         else:
             actions.append(("copy", dest, None, src, None, None))
             copied_optim += key.startswith("optim.state.")
-    return actions, copied_optim
+        big = actions[-1][0] != "copy"
+        counts["mapped" if big else "copied"] += 1
+        counts["mapped_bytes" if big else "copied_bytes"] += nbytes
+    return actions, copied_optim, counts
 
 
-def point_at(actions: list) -> None:
-    """Apply :func:`plan_pointing`'s actions. ``targets`` then holds the loaded values, for what is applied
-    from it afterwards (hyperparameters, scheduler, RNG, step)."""
+def point_at(actions: list, copies: bool = True, pointing: bool = True) -> None:
+    """Apply :func:`plan_pointing`'s actions: the ``copies`` (into existing tensors, and into a fresh
+    optimizer's new ones) and the ``pointing`` (repointed parameters and buffers, installed optimizer
+    state). A copying load copies while the checksums are computed and points once they match. ``targets``
+    then holds the loaded values, for what is applied from it afterwards (hyperparameters, scheduler, RNG)."""
     for kind, obj, name, src, container, sub in actions:
+        if kind == "copy":
+            if copies:
+                obj.copy_(src)
+            continue
+        if kind == "new":  # obj: (optimizer.state, parameter); src: (the value to install, the loaded one)
+            (state, param), (src, loaded) = obj, src
+            if copies and src is not loaded:
+                src.copy_(loaded)
+        if not pointing:
+            continue
         if kind == "param":
             obj.data = src
-        elif kind == "copy":
-            obj.copy_(src)
-            continue
+        elif kind == "new":
+            state[param][name] = src
         else:
             obj[name] = src
         container[sub] = src

@@ -40,10 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException  # a BaseException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
 from workbench.checkpoint.filewriter import (ROOM_FIX, WRITEBACK_BYTES, CheckedWriter, HashingFileSystem,  # noqa: F401
                                             _HashingStream)
+from workbench.checkpoint.index import manifest_index
 from workbench.checkpoint.quant import check_mode as check_quant
 from workbench.checkpoint.quant import plan as quant_plan
 from workbench.checkpoint.quant import quantize_state
@@ -267,7 +269,7 @@ def _write_then_publish(sd: dict[str, Any], store: CheckpointStore, step: int, n
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         writer = CheckedWriter(tmp, sync_files=True, thread_count=WRITE_THREADS)
         writer.fs = HashingFileSystem(target=store.root, doing=doing, needed=needed)
-        dcp.save(sd, storage_writer=writer, process_group=group, no_dist=group is None)
+        md = dcp.save(sd, storage_writer=writer, process_group=group, no_dist=group is None)
     mine = sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{rank}_"))
     if rank == 0:
         mine.append(".metadata")
@@ -296,6 +298,8 @@ def _write_then_publish(sd: dict[str, Any], store: CheckpointStore, step: int, n
         return {}
     doc = dict(manifest, step=step, checksum=CHECKSUM, files=dict(sorted(files.items())),
                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    if isinstance(md, Metadata):  # where each whole tensor lies, for loads that need not unpickle .metadata
+        doc.update(manifest_index(md) or {})
     store.check_owner(owner)  # every rank has written its part: raising here strands no collective
     final = store.publish(tmp, step, doc)
     removed = store.rotate(keep, keep_every)

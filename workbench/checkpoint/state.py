@@ -417,6 +417,51 @@ class TrainState:
                 osd[f"state.{fqn}.{name}"] = v
         return msd, osd
 
+    def _fresh_optim_state(self, saved: dict[str, tuple[tuple[int, ...], torch.dtype]], names: set[str]
+                           ) -> tuple[dict[str, torch.Tensor], dict[int, tuple[torch.Tensor, str]]] | None:
+        """Targets for an optimizer that has no state yet (a resumed run's fresh one), made from the
+        checkpoint's ``optim.state.<fqn>.<name>`` entries instead of torch's walk, which first creates the
+        state with a zero-gradient step over every parameter (zeroed gradients and moments, then the step
+        itself: 0.25 s of a 0.35 s resume of the small preset) only to have it overwritten. Each target is an
+        empty tensor (no pages until written) that the load fills or replaces; returns the targets and
+        ``id(target) -> (parameter, state name)`` for installing them into ``optimizer.state``.
+
+        ``saved``: the checkpoint's tensors (key -> shape, dtype); ``names``: every key it stores. None
+        where a condition of :meth:`_plain_state` fails, or the state is not what ``load_state_dict`` would
+        install as is: a name with a dot, an entry that is not a tensor, a floating-point entry (other than
+        ``step``) of another dtype than its parameter, a parameter off the CPU, or an optimized parameter with
+        no saved state (torch's walk then names the missing key)."""
+        opt = self.optimizer
+        if opt is None or isinstance(opt, ZeroRedundancyOptimizer) or opt.state:
+            return None
+        optimized = {id(p) for group in opt.param_groups for p in group["params"]}
+        state_keys: dict[str, list[str]] = {}
+        for k in names:
+            if k.startswith("optim.state."):
+                fqn, _, name = k[len("optim.state."):].rpartition(".")
+                state_keys.setdefault(fqn, []).append(name)
+        osd: dict[str, torch.Tensor] = {}
+        owner: dict[int, tuple[torch.Tensor, str]] = {}
+        for fqn, p in self.view.named_parameters():
+            if id(p) not in optimized:
+                continue
+            entries = state_keys.pop(fqn, None)
+            if not entries or type(p) is not nn.Parameter or not p.is_cpu:
+                return None
+            for name in entries:
+                key = f"optim.state.{fqn}.{name}"
+                if "." in name or key not in saved:
+                    return None
+                shape, dtype = saved[key]
+                if dtype.is_floating_point and name != "step" and dtype != p.dtype:
+                    return None
+                t = torch.empty(shape, dtype=dtype)
+                osd[f"state.{fqn}.{name}"] = t
+                owner[id(t)] = (p, name)
+        if state_keys:  # state under a name this model does not optimize: torch's walk decides
+            return None
+        return osd, owner
+
     def kinds(self) -> list[str]:
         """The key prefixes a save of this state writes, in :data:`KINDS` order."""
         have = {"optim": self.optimizer is not None, "ema": self.ema is not None, "sched": self.scheduler is not None}
@@ -424,14 +469,27 @@ class TrainState:
 
     # -- loading ------------------------------------------------------------------------------
     def load_targets(self, optimizer: bool = True, rng: bool = True,
-                     hyper: dict[str, tuple[int, ...]] | None = None, direct: bool = False) -> dict[str, Any]:
+                     hyper: dict[str, tuple[int, ...]] | None = None, direct: bool = False, *,
+                     saved: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+                     names: set[str] | None = None,
+                     new_state: dict[int, tuple[torch.Tensor, str]] | None = None) -> dict[str, Any]:
         """The nested dict of tensors to pass to ``dcp.load`` (full state, or model only).
 
         ``hyper``: the checkpoint's packed hyperparameter items (``hyper.<digest>`` -> shape) to read; None
         for a checkpoint from before they were packed (one target per ``param_groups`` value). ``direct``:
         take the model's and optimizer's tensors without torch's walk where that is the identity
-        (:meth:`_plain_state`); the caller checks the keys against the checkpoint's."""
+        (:meth:`_plain_state`); the caller checks the keys against the checkpoint's. ``new_state`` (with
+        ``saved`` and ``names``, the checkpoint's tensors and keys): an optimizer with no state yet gets
+        targets made from the checkpoint (:meth:`_fresh_optim_state`), and ``new_state`` is filled with
+        ``id(target) -> (parameter, name)``: the caller installs them into ``optimizer.state``."""
         plain = self._plain_state(optimizer) if direct and (hyper is not None or not optimizer) else None
+        if plain is None and direct and optimizer and hyper is not None and new_state is not None \
+                and saved is not None and names is not None:
+            fresh = self._fresh_optim_state(saved, names)
+            msd = self._plain_state(False) if fresh is not None else None
+            if msd is not None:
+                plain = (msd[0], fresh[0])
+                new_state.update(fresh[1])
         targets: dict[str, Any] = {"model": plain[0] if plain else self.model_state()}
         if plain and plain[1] is not None:
             targets["optim"] = dict(plain[1])

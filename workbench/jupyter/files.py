@@ -23,8 +23,6 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 __all__ = ["Refused", "resolve", "not_found", "refusal", "relative", "inside", "stamp", "FileCache", "json_safe", "read_json", "first_line",
            "parse_int", "parse_float", "parse_bool", "parse_scalar"]
 
@@ -156,6 +154,8 @@ class FileCache:
 
 def json_safe(obj: Any, root: Path | None = None) -> Any:
     """Plain JSON (no NaN, no numpy scalars), with absolute paths under ``root`` made relative."""
+    import numpy as np  # here, not at the top: the server extension loads this module before any request
+
     prefix = None if root is None else str(root.resolve()) + os.sep
     def walk(o: Any) -> Any:
         if isinstance(o, dict):

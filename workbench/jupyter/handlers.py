@@ -160,9 +160,8 @@ from jupyter_server.base.handlers import APIHandler, AuthenticatedFileHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from workbench.jupyter import checkpoints, files, plans, runs, timelines
+from workbench.jupyter import files
 from workbench.jupyter.files import Refused
-from workbench.jupyter.opening import open_info
 from workbench.safeio import FileRefused, confined_to
 
 try:  # jupyter_server >= 2: the same permission the contents API asks for reading files
@@ -279,10 +278,14 @@ def _route(fn: Callable[[_WorkbenchHandler], dict[str, Any]]) -> type[_Workbench
 
 
 def _open(h: _WorkbenchHandler) -> dict[str, Any]:
+    from workbench.jupyter.opening import open_info
+
     return open_info(h.root, h.path())
 
 
 def _manifest(h: _WorkbenchHandler) -> dict[str, Any]:
+    from workbench.jupyter import checkpoints
+
     return checkpoints.manifest_page(h.root, h.path(), offset=h.int_arg("offset", 0),
                                      limit=h.int_arg("limit", 200, 1, files.MAX_LIMIT),
                                      filter=h.get_argument("filter", ""), kind=h.get_argument("kind", ""))
@@ -292,20 +295,28 @@ def _tensor(h: _WorkbenchHandler) -> dict[str, Any]:
     key = h.get_argument("key", None)
     if not key:
         raise Refused(400, "missing ?key=; pick a key from checkpoint/manifest")
+    from workbench.jupyter import checkpoints
+
     return checkpoints.tensor_answer(h.root, h.path(), key, bins=h.int_arg("bins", 64, 0, files.MAX_BINS),
                                      log=h.bool_arg("log", False))
 
 
 def _verify(h: _WorkbenchHandler) -> dict[str, Any]:
+    from workbench.jupyter import checkpoints
+
     return checkpoints.verify_answer(h.root, h.path(), deep=h.bool_arg("deep", False))
 
 
 def _diff(h: _WorkbenchHandler) -> dict[str, Any]:
+    from workbench.jupyter import checkpoints
+
     return checkpoints.diff_answer(h.root, h.path(), h.path("other"), values=h.bool_arg("values", True),
                                    top=h.int_arg("top", 20, 1, 500))
 
 
 def _plan_load(h: _WorkbenchHandler) -> dict[str, Any]:
+    from workbench.jupyter import checkpoints
+
     args = {k: h.get_argument(k) for k in h.request.arguments}
     return checkpoints.plan_load_answer(h.root, h.path(), args)
 
@@ -314,6 +325,8 @@ def _timeline(h: _WorkbenchHandler) -> dict[str, Any]:
     ranks = h.list_arg("rank")
     step = h.get_argument("step", None)
     overlay = h.get_argument("overlay", None)
+    from workbench.jupyter import timelines
+
     return timelines.timeline_window(h.root, h.path(), h.float_arg("t0"), h.float_arg("t1"),
                                      points=h.int_arg("points", 2000, 4, files.MAX_POINTS),
                                      ranks="peak" if ranks == ["peak"] else None if ranks is None else
@@ -324,11 +337,15 @@ def _timeline(h: _WorkbenchHandler) -> dict[str, Any]:
 
 
 def _plan(h: _WorkbenchHandler) -> dict[str, Any]:
+    from workbench.jupyter import plans
+
     return plans.plan_table(h.root, h.path(), offset=h.int_arg("offset", 0),
                             limit=h.int_arg("limit", 256, 1, files.MAX_LIMIT))
 
 
 def _events(h: _WorkbenchHandler) -> dict[str, Any]:
+    from workbench.jupyter import runs
+
     return runs.run_events(h.root, h.path(), since=h.int_arg("since", 0), types=h.list_arg("types"),
                            limit=h.int_arg("limit", 5000, 1, 100_000),
                            points=h.int_arg("points", 0, 0, files.MAX_POINTS))
@@ -336,9 +353,13 @@ def _events(h: _WorkbenchHandler) -> dict[str, Any]:
 
 def _pipeline(h: _WorkbenchHandler) -> dict[str, Any]:
     step = h.get_argument("step", None)
+    from workbench.jupyter import runs
+
     return runs.run_pipeline(h.root, h.path(), None if step in (None, "") else files.parse_int(step, "step", 0))
 
 
+# Each answer imports its module on the first request (they import numpy, and the checkpoint, plan and run
+# readers import torch and pandas), so registering the routes at server start loads none of them.
 ROUTES = {
     "open": _open,
     "checkpoint/manifest": _manifest,
@@ -368,8 +389,9 @@ def setup_handlers(web_app: Any, root_dir: str | Path) -> None:
     # The plotly.js the plotly package ships, for the notebooks' plots (workbench/widgets/plotly_view.js loads
     # it once per page). Only that file; jupyter_server's handler for files behind the login, which caches a
     # versioned URL (PlotView asks for ?v=<plotly.js version>) for good, so a page downloads it once.
-    import plotly
+    from importlib.util import find_spec
 
+    plotly = Path(find_spec("plotly").origin).parent  # found, not imported: the server starts without it
     handlers.append((url_path_join(base, r"workbench/static/(plotly\.min\.js)"), AuthenticatedFileHandler,
-                     {"path": str(Path(plotly.__file__).parent / "package_data")}))
+                     {"path": str(plotly / "package_data")}))
     web_app.add_handlers(".*$", handlers)

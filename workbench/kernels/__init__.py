@@ -23,7 +23,12 @@ Which implementation runs is the backend (``--kernels triton|torch|auto``; see
 from __future__ import annotations
 
 from workbench.kernels import _triton
-from workbench.kernels.backend import (
+
+# Before anything loads Triton (torch.compile does, even on CPU): without CUDA, our Triton kernels run in
+# Triton's interpreter, chosen for the whole process when Triton is first imported (see _triton's docstring).
+_triton.prepare()
+
+from workbench.kernels.backend import (  # noqa: E402
     BACKENDS,
     KernelUnavailable,
     choose,
@@ -32,7 +37,7 @@ from workbench.kernels.backend import (
     set_backend,
     use,
 )
-from workbench.kernels.cases import CASES, KernelCase
+from workbench.kernels.cases import CASES, KernelCase  # noqa: E402
 
 # The ops. Each module defines its custom ops and registers its KernelCases on import; the package
 # attribute is the function (``workbench.kernels.index_put(...)``), the module stays importable by path.

@@ -18,9 +18,8 @@ from collections.abc import Iterator
 
 import torch
 
+from workbench.config import KERNEL_BACKENDS as BACKENDS
 from workbench.kernels import _triton
-
-BACKENDS = ("auto", "triton", "torch")
 
 _state = threading.local()
 _GLOBAL = ["auto"]

@@ -35,7 +35,7 @@ from workbench.models.llama import Transformer, initial_value
 from workbench.parallel.apply import build_optimizer, ddp_dim, shard
 from workbench.parallel.compile import compile_blocks
 from workbench.parallel.data import apply_ddp
-from workbench.parallel.pipeline import build_stage_module, split_layers, stage_ids
+from workbench.parallel.pipeline_split import build_stage_module, split_layers, stage_ids
 
 __all__ = ["Stages", "build_stages", "build_optimizer", "param_name"]
 

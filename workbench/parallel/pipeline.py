@@ -42,50 +42,13 @@ from workbench import compat
 from workbench.config import ModelConfig, ParallelConfig, TrainConfig
 from workbench.memory import marks
 from workbench.memory.probe import resize_storage_
-from workbench.parallel.collectives import Collective
+from workbench.parallel.pipeline_split import build_stage_module, pp_comm, split_layers, stage_ids
 
 if TYPE_CHECKING:
     from workbench.parallel.build import Stages
 
 __all__ = ["split_layers", "stage_ids", "build_stage_module", "build_pipeline", "pp_comm", "Pipeline",
            "ScheduleGPipeLean", "TimedStage", "pipeline_loss", "SCHEDULES", "hold_recv_buffers_for"]
-
-
-def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """Layer indices of each stage: contiguous runs, sizes differing by at most one, larger first."""
-    if not 1 <= n_stages <= n_layers:
-        raise ValueError(f"cannot split n_layers={n_layers} into {n_stages} stages; choose 1..{n_layers} stages")
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
-
-
-def stage_ids(pp_rank: int, pp: int, stages_per_rank: int = 1) -> list[int]:
-    """The stages pp rank ``pp_rank`` runs (looped placement, as torch's interleaved schedules expect)."""
-    return [pp_rank + j * pp for j in range(stages_per_rank)]
-
-
-def build_stage_module(model: nn.Module, layer_ids: list[int], *, first: bool, last: bool,
-                       in_place: bool = False) -> nn.Module:
-    """``model`` keeping only ``layer_ids`` (+ embeddings if first, norm/output if last).
-
-    A deep copy, unless ``in_place``: a rank's last (often only) stage prunes the model itself, so the
-    whole model is never held twice.
-    """
-    stage = model if in_place else copy.deepcopy(model)
-    keep = {str(i) for i in layer_ids}
-    for name in [k for k in stage.layers.keys() if k not in keep]:
-        del stage.layers[name]
-    if not first:
-        stage.tok_embeddings = None
-    if not last:
-        stage.norm = None
-        stage.output = None
-    return stage
 
 
 def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -164,7 +127,6 @@ def hold_recv_buffers_for(stage: PipelineStage, n_microbatches: int) -> None:
     (``workbench.prediction.fake.same_peak_job``) still has to hold all of them: the extra ones are copies
     of microbatch 0's, never used.
     """
-    import copy
 
     def pad(table: dict) -> None:
         first = table.get(0, ())
@@ -347,16 +309,3 @@ def build_pipeline(stages: "Stages", parallel: ParallelConfig, mesh: DeviceMesh,
     schedule = cls(timed if parallel.pp_stages_per_rank > 1 else timed[0], n_microbatches=m,
                    loss_fn=pipeline_loss, scale_grads=True)
     return Pipeline(schedule, timed, list(stages.modules), m, dict(zip(stages.stage_ids, stages.layers)))
-
-
-def pp_comm(stages: list[int], n_stages: int, act_bytes: float, micro: int) -> list[Collective]:
-    """What this pp rank sends per step: per microbatch, each of its ``stages`` sends its output
-    activation forward (not the last stage) and its input gradient backward (not the first)."""
-    out = []
-    for s in stages:
-        if s < n_stages - 1:
-            out.append(Collective("send/recv", "pp", "forward", act_bytes, 2, micro, "PP activations to the next stage"))
-        if s > 0:
-            out.append(Collective("send/recv", "pp", "backward", act_bytes, 2, micro,
-                                  "PP input gradients to the previous stage"))
-    return out

@@ -20,9 +20,23 @@ from __future__ import annotations
 import sys
 from types import ModuleType  # not `import types`: the submodule workbench.plan.types shadows it
 
-from workbench.plan.types import ShardingPlan, TensorPlan
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workbench.plan.types import ShardingPlan, TensorPlan
 
 __all__ = ["plan", "plan_configs", "ShardingPlan", "TensorPlan"]
+
+
+def __getattr__(name: str):
+    # The data types import pandas: loaded on first use, so `workbench plan --help` and `import workbench.plan`
+    # stay light (tests/test_imports.py).
+    if name in ("ShardingPlan", "TensorPlan"):
+        from importlib import import_module
+
+        value = globals()[name] = getattr(import_module("workbench.plan.types"), name)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def plan_configs(parallel=None, train=None, **settings):

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+from contextlib import contextmanager
+from typing import Iterator
 
 from workbench.cli_output import EXIT_FAILED, emit_json, error
 from workbench.config import PRESETS
@@ -57,11 +60,12 @@ def _build(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from workbench.plan.simulate import plan
-
     try:
-        parallel, train = _build(args)
-        result = plan(args.model, parallel, train)
+        with _collector_paused():
+            from workbench.plan.simulate import plan
+
+            parallel, train = _build(args)
+            result = plan(args.model, parallel, train)
     except (ValueError, TypeError) as e:
         return error(str(e), args.json)
     device = args.memory_device or ("cuda" if args.memory_budget is not None else None)
@@ -117,6 +121,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if device is not None:
         _print_memory(result, device, fit)
     return 0
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while torch loads and the plan is simulated, and what that made
+    frozen afterwards (never scanned again, the simulation's few garbage cycles included). That work leaves
+    ~300,000 long-lived objects, and the full collections they triggered took 0.6 to 0.9 s of the 1024-rank
+    plan's ~3.3 s of CPU (measured; unfrozen, the young collections after it cost 0.3 s more). The command is
+    one short process; a --memory prediction after it runs with the collector on."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
 
 
 def _print_memory(result, device: str, fit) -> None:

@@ -51,7 +51,7 @@ from workbench.config import ModelConfig, ParallelConfig, TrainConfig
 from workbench.parallel.collectives import Collective
 from workbench.parallel.data import ddp_comm, fsdp_comm
 from workbench.parallel.expert import ep_comm, load_balance_comm
-from workbench.parallel.pipeline import pp_comm
+from workbench.parallel.pipeline_split import pp_comm
 from workbench.parallel.tensor import tp_comm
 from workbench.plan.types import ITEMSIZE, TensorPlan, local_extents
 

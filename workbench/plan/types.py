@@ -44,15 +44,17 @@ import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
-import pandas as pd
 
 from workbench.config import MESH_DIMS, ModelConfig, ParallelConfig, TrainConfig
 from workbench.display import RendersInNotebook
 from workbench.kinds import STATE_KINDS
 from workbench.units import format_bytes
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["TensorPlan", "ShardingPlan", "MESH_DIMS", "KINDS", "ITEMSIZE", "local_extents", "group_blocks"]
 
@@ -139,6 +141,8 @@ class TensorPlan:
 
 def group_blocks(blocks: pd.DataFrame) -> pd.DataFrame:
     """Group a :meth:`ShardingPlan.blocks` frame by what a rank holds (see :meth:`ShardingPlan.block_groups`)."""
+    import pandas as pd
+
     held = blocks[blocks["state"] != "absent"]
     groups: dict[tuple, list[int]] = {}
     for rank, off, ln, state in zip(held["rank"].tolist(), held["offsets"].tolist(), held["lengths"].tolist(),
@@ -274,6 +278,8 @@ class ShardingPlan(RendersInNotebook):
         ``state`` is "sharded" (a proper piece), "replicated" (the whole tensor), "partial" (a summand),
         or "absent" (nothing: another stage, another owner, or an empty chunk).
         """
+        import pandas as pd
+
         t = self.tensor(name, kind)
         coords = self._all_coords
         lengths, offsets = local_extents(t.global_shape, t.splits, coords)
@@ -313,7 +319,9 @@ class ShardingPlan(RendersInNotebook):
         return numel
 
     @cached_property
-    def _rank_bytes(self) -> pd.DataFrame:
+    def _rank_arrays(self) -> dict[str, np.ndarray]:
+        """Bytes per rank (int64, index = rank) of each kind and the total: what ``rank_bytes`` frames. Kept
+        as arrays so that the summary and the JSON export need no pandas (``workbench plan --json``)."""
         coords = self._all_coords
         out = {k: np.zeros(self.world_size, dtype=np.int64) for k in KINDS}
         # Tensors of equal signature (80 identical layers) hold equal pieces: each signature's per-rank numel
@@ -327,9 +335,16 @@ class ShardingPlan(RendersInNotebook):
             numel = self._local_numel(t, coords)
             for kind, itemsize in per_kind.items():
                 out[kind] += numel * itemsize
-        frame = pd.DataFrame(out, index=pd.RangeIndex(self.world_size, name="rank"))
-        frame["total"] = frame[list(KINDS)].sum(axis=1)
-        return frame
+        out["total"] = np.sum([out[k] for k in KINDS], axis=0, dtype=np.int64)
+        return out
+
+    @cached_property
+    def _rank_bytes(self) -> pd.DataFrame:
+        import pandas as pd
+
+        arrays = self._rank_arrays
+        return pd.DataFrame({k: arrays[k] for k in (*KINDS, "total")},
+                            index=pd.RangeIndex(self.world_size, name="rank"))
 
     def rank_bytes(self) -> pd.DataFrame:
         """Bytes each rank holds, by category: index ``rank``, columns parameter, gradient, optimizer,
@@ -345,6 +360,8 @@ class ShardingPlan(RendersInNotebook):
         summed over the step's ``calls_per_step`` calls; ``tensor_bytes`` is the logical payload of one
         call. The formulas live in ``workbench.plan.comm``.
         """
+        import pandas as pd
+
         cols = ["collective", "mesh_dim", "phase", "bytes_per_rank", "calls_per_step", "tensor_bytes",
                 "group_size", "stage", "what"]
         frame = pd.DataFrame(self._comm_rows, columns=cols)
@@ -354,21 +371,21 @@ class ShardingPlan(RendersInNotebook):
 
     def comm_bytes_per_step(self) -> int:
         """Bytes the busiest rank sends per step (pipeline stages differ; others are all alike)."""
-        frame = self.comm()
-        if frame.empty:
-            return 0
-        by_stage = frame.groupby(frame["stage"].fillna(-1))["bytes_per_rank"].sum()
-        if (frame["stage"].isna()).all() or self.parallel.pp == 1:
-            return int(frame["bytes_per_rank"].sum())
-        # rows with stage=None apply to every stage
-        common = int(by_stage.get(-1, 0))
-        staged = by_stage.drop(index=-1, errors="ignore")
-        return common + (int(staged.max()) if len(staged) else 0)
+        common, staged = 0, {}
+        for row in self._comm_rows:
+            stage, b = row.get("stage"), int(row["bytes_per_rank"])
+            if stage is None or (isinstance(stage, float) and math.isnan(stage)) or self.parallel.pp == 1:
+                common += b  # rows with stage=None apply to every stage
+            else:
+                staged[stage] = staged.get(stage, 0) + b
+        return common + (max(staged.values()) if staged else 0)
 
     # -- exports ---------------------------------------------------------------------------------
 
     def to_frame(self) -> pd.DataFrame:
         """One row per tensor, with rank 0's local shape (None where rank 0 holds none of it)."""
+        import pandas as pd
+
         rank0 = self._all_coords[:1]
         rows = []
         for t in self.tensors:
@@ -392,7 +409,7 @@ class ShardingPlan(RendersInNotebook):
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers: sizes, the worst rank per category, and communication per step."""
-        rb = self._rank_bytes
+        rb = self._rank_arrays
         params = [t for t in self.tensors if t.kind == "parameter"]
         return {
             "model_name": self.model_name,
@@ -419,7 +436,7 @@ class ShardingPlan(RendersInNotebook):
                 "min_predicted_peak_bytes": int(peaks.min())}
 
     def to_dict(self) -> dict[str, Any]:
-        rb = self._rank_bytes
+        rb = self._rank_arrays
         return {
             "summary": self.summary(),
             "model": self.model.to_dict() if self.model is not None else None,
@@ -428,7 +445,7 @@ class ShardingPlan(RendersInNotebook):
             "mesh_dim_names": list(self.mesh_dim_names),
             "mesh_shape": list(self.mesh_shape),
             "tensors": [t.to_dict() for t in self.tensors],
-            "rank_bytes": {k: [int(x) for x in rb[k].to_numpy()] for k in rb.columns},
+            "rank_bytes": {k: rb[k].tolist() for k in (*KINDS, "total")},
             "comm": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
                      for row in self._comm_rows],
             "notes": self.notes,

@@ -10,6 +10,18 @@ re-export :func:`predict` and :func:`fits` for users, resolved on first use.
 - :mod:`.cli`: ``workbench memory record|predict|compare|import|show``.
 """
 
-from workbench.prediction.memory import FitAnswer, fits, peak_per_rank, predict
+from importlib import import_module
 
 __all__ = ["predict", "fits", "peak_per_rank", "FitAnswer"]
+
+
+def __getattr__(name: str):
+    # Imported on first use (it imports torch), so `workbench memory --help` starts without it.
+    if name in __all__:
+        value = globals()[name] = getattr(import_module("workbench.prediction.memory"), name)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -6,6 +6,10 @@
 
 ``check`` exits 1 when any row fails. Without a GPU ``bench`` says so and shows the torch reference
 path's CPU times at small sizes (never the interpreter's). Every command takes ``--json``.
+
+It lives beside ``workbench/cli.py``, not in ``workbench/kernels/``: importing that package defines the
+custom ops and imports torch, and the parser must not (``workbench kernels --help`` starts without torch;
+tests/test_imports.py). The handlers import the kernels when they run.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@
     workbench spmd check [--family masked] [--json]          # exit 1 on any failing combination
     workbench spmd check --source opinfo --rules both        # torch's OpInfo samples; exit 1 where only torch passes
     workbench spmd rules [--family norm] [--json]
+
+It lives beside ``workbench/cli.py``, not in ``workbench/spmd/``: importing that package registers the rule
+families and imports torch, and the parser must not (``workbench spmd --help`` starts without torch;
+tests/test_imports.py). The handlers import ``workbench.spmd`` when they run.
 """
 
 from __future__ import annotations
