@@ -49,6 +49,17 @@ def _running(run_dir) -> bool:
     return any(e["type"] == "step" for e in ev) and len([e for e in ev if e["type"] == "start"]) == 2
 
 
+def _reply_to(kc, msg_id: str, timeout: float) -> dict:
+    """The shell reply to request ``msg_id`` (a reply to an earlier request, such as the kernel_info that
+    starting the client sends, may still be queued ahead of it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply
+        assert time.monotonic() < deadline, f"no reply to {msg_id} within {timeout}s"
+
+
 def test_interrupting_the_kernel_stops_every_rank(tmp_path):
     km, kc = start_new_kernel(kernel_name="python3")
     try:
@@ -56,8 +67,7 @@ def test_interrupting_the_kernel_stops_every_rank(tmp_path):
         assert _wait_for(lambda: _running(tmp_path), 90), "the run never started"
         pids = _pids(tmp_path)
         km.interrupt_kernel()
-        reply = kc.get_shell_msg(timeout=30)
-        assert reply["parent_header"]["msg_id"] == msg_id
+        reply = _reply_to(kc, msg_id, 30)
         assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
         assert _wait_for(lambda: not any(_alive(p) for p in pids), 15), "ranks survived the interrupt"
     finally:
