@@ -61,7 +61,7 @@ print(json.dumps(doc))
 """
     doc = _fresh(code, env={"TRITON_INTERPRET": None})
     assert doc["heavy"] == [], f"import workbench loaded {doc['heavy']}"
-    assert doc["ours"] == ["workbench", "workbench.version"], doc["ours"]
+    assert doc["ours"] == ["workbench", "workbench.lazy", "workbench.version"], doc["ours"]
     assert doc["interpret"] is None and doc["interpret_after_config"] is None  # import workbench sets no TRITON_INTERPRET
     from workbench.version import __version__
 

@@ -7,12 +7,12 @@ needs one piece start fast. ``workbench.launch``, ``workbench.plan(...)``, ``wor
 before; ``tests/test_imports.py`` keeps them lazy.
 """
 
-from importlib import import_module
-from importlib.util import find_spec
-
+from workbench.lazy import lazy_names
 from workbench.version import __version__
 
-# name -> the module that defines it, imported when the name is first asked for
+# name -> the module that defines it, imported when the name is first asked for; any other public name
+# that is a subpackage or module (workbench.plan: a callable package, workbench.plan(model, parallel);
+# workbench.spmd: our SPMD rules, which workbench.spmd.install() puts into DTensor) is imported the same way.
 _WHERE = {
     "launch": "workbench.train.launcher", "Run": "workbench.train.launcher",
     "RunFailed": "workbench.train.launcher",
@@ -22,19 +22,4 @@ _WHERE = {
 
 __all__ = ["launch", "plan", "Run", "RunFailed", "ModelConfig", "ParallelConfig", "TrainConfig", "PRESETS", "__version__"]
 
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        value = getattr(import_module(_WHERE[name]), name)
-    elif not name.startswith("_") and find_spec(f"{__name__}.{name}") is not None:
-        # a subpackage or module: workbench.plan (a callable package: workbench.plan(model, parallel)),
-        # workbench.spmd (our SPMD rules; workbench.spmd.install() puts them into DTensor), workbench.kernels ...
-        value = import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, submodules=True)

@@ -227,13 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    given = sys.argv[1:] if argv is None else argv
-    if list(given) == ["--version"]:  # what argparse's version action does, without building every parser first
-        from workbench.version import __version__
-
-        print(f"workbench {__version__}")
-        sys.exit(0)
-    _Parser.json_requested = "--json" in given
+    _Parser.json_requested = "--json" in (sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     as_json = getattr(args, "json", False)
     try:

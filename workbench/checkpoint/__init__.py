@@ -39,8 +39,9 @@ Use::
 """
 
 import sys
-from importlib import import_module
 from types import ModuleType
+
+from workbench.lazy import lazy_names
 
 # name -> its module, imported on first use (PEP 562): the readers and writers import torch, so a process
 # that needs one piece (`workbench ckpt --help`, the Jupyter server's manifest reader) loads only that.
@@ -55,17 +56,7 @@ _WHERE = {
     "ParamGroup": "param_groups", "param_groups": "param_groups", "LoadPlan": "plan_load", "plan_load": "plan_load",
 }
 __all__ = list(_WHERE)
-
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        value = globals()[name] = getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_names(__name__, {name: f"{__name__}.{m}" for name, m in _WHERE.items()})
 
 
 class _Package(ModuleType):

@@ -22,21 +22,17 @@ from types import ModuleType  # not `import types`: the submodule workbench.plan
 
 from typing import TYPE_CHECKING
 
+from workbench.lazy import lazy_names
+
 if TYPE_CHECKING:
     from workbench.plan.types import ShardingPlan, TensorPlan
 
 __all__ = ["plan", "plan_configs", "ShardingPlan", "TensorPlan"]
 
 
-def __getattr__(name: str):
-    # The data types import pandas: loaded on first use, so `workbench plan --help` and `import workbench.plan`
-    # stay light (tests/test_imports.py).
-    if name in ("ShardingPlan", "TensorPlan"):
-        from importlib import import_module
-
-        value = globals()[name] = getattr(import_module("workbench.plan.types"), name)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The data types import pandas: loaded on first use, so `workbench plan --help` and `import workbench.plan`
+# stay light (tests/test_imports.py).
+__getattr__, _ = lazy_names(__name__, dict.fromkeys(("ShardingPlan", "TensorPlan"), "workbench.plan.types"))
 
 
 def plan_configs(parallel=None, train=None, **settings):

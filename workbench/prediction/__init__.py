@@ -10,18 +10,8 @@ re-export :func:`predict` and :func:`fits` for users, resolved on first use.
 - :mod:`.cli`: ``workbench memory record|predict|compare|import|show``.
 """
 
-from importlib import import_module
+from workbench.lazy import lazy_names
 
 __all__ = ["predict", "fits", "peak_per_rank", "FitAnswer"]
-
-
-def __getattr__(name: str):
-    # Imported on first use (it imports torch), so `workbench memory --help` starts without it.
-    if name in __all__:
-        value = globals()[name] = getattr(import_module("workbench.prediction.memory"), name)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+# Imported on first use (it imports torch), so `workbench memory --help` starts without it.
+__getattr__, __dir__ = lazy_names(__name__, dict.fromkeys(__all__, "workbench.prediction.memory"))
