@@ -128,3 +128,22 @@ def test_background_verification_names_the_damaged_file_whichever_thread_hashed_
         assert why == f"{bad}: xxh3_128 differs from the manifest; the file is damaged"
         assert is_complete(step) == (False, why)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's is untouched
+
+
+def test_a_file_that_cannot_be_hashed_is_never_counted_intact(tmp_path):
+    """A hashing thread that meets an unexpected error (here a mapping closed under it) records the file as
+    unverified: a thread that died instead would leave that file's result empty, which reads as intact."""
+    import mmap
+
+    import workbench.checkpoint.store as store
+
+    _save_steps(tmp_path, steps=(1,))
+    step = tmp_path / "step-000001"
+    shard = max(step.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(shard, "rb") as f:
+        closed = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    closed.close()
+    why = store.BackgroundVerify(step, manifest=read_manifest(step), mapped={shard.name: closed}).result()
+    assert why is not None and why.startswith(f"{shard}: cannot be verified (ValueError"), why
+    assert "\n" not in why
+    assert store.BackgroundVerify(step, manifest=read_manifest(step)).result() is None  # the files are fine
