@@ -42,8 +42,6 @@ import json
 import os
 import shutil
 import shlex
-import signal
-import subprocess
 import sys
 import tarfile
 import time
@@ -541,14 +539,20 @@ class Check:
                 row["status"] = "no prediction: it failed, timed out or was not started"
             else:
                 pred = int(doc["max_peak_bytes"])
+                # the allocator model's reserved peak against max_memory_reserved (the 5% check)
+                pred_res = doc.get("max_reserved_bytes")
                 row.update(predict_s=doc.get("prediction_s"), predicted_bytes=pred,
+                           predicted_reserved_bytes=pred_res,
                            error_vs_allocated=pred / row["allocated_bytes"] - 1,
-                           error_vs_reserved=pred / row["reserved_bytes"] - 1 if row.get("reserved_bytes") else None,
+                           error_vs_reserved=int(pred_res) / row["reserved_bytes"] - 1
+                           if pred_res and row.get("reserved_bytes") else None,
                            status="ok")
         done = [r for r in rows.values() if r.get("status") == "ok"]
-        errs = sorted(abs(r["error_vs_allocated"]) for r in done)
-        if errs:
-            part.figures.update(median_abs_error_vs_allocated=errs[len(errs) // 2], max_abs_error_vs_allocated=errs[-1])
+        for what in ("allocated", "reserved"):
+            errs = sorted(abs(r[f"error_vs_{what}"]) for r in done if r.get(f"error_vs_{what}") is not None)
+            if errs:
+                part.figures.update({f"median_abs_error_vs_{what}": errs[len(errs) // 2],
+                                     f"max_abs_error_vs_{what}": errs[-1]})
         bad = {n: r["status"] for n, r in rows.items() if r.get("status") != "ok"}
         if not bad:
             part.end("ok")

@@ -49,3 +49,16 @@ def train_step(st, rows) -> float:
     st.scheduler.step()
     st.step += 1
     return float(loss.detach())
+
+
+def launch_tiny(tmp_path_factory, name: str, steps: int, seed: int, timeout: float, **kw):
+    """A finished ``workbench.launch("tiny", ...)`` run in a fresh directory named ``name``."""
+    import workbench
+
+    return workbench.launch("tiny", out=tmp_path_factory.mktemp(name), steps=steps, seed=seed, **kw).wait(timeout)
+
+
+def rank0_metrics(run):
+    """Rank 0's metrics of ``run``, indexed by step."""
+    df = run.metrics
+    return df[df["rank"] == 0].set_index("step")

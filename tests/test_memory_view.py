@@ -365,3 +365,36 @@ def test_comparison_view_overlays_every_rank(measured, predicted):
     assert view.timeline_view.mode == "ranks"
     assert [t.meta["rank"] for t in _traces(view.timeline_view.grid_fig, "overlay")] == [0, 1]
     assert view.table.value == cmp._repr_html_()
+
+
+def test_routing_band_is_drawn_between_its_low_and_high_totals(measured, predicted):
+    """A MoE band (workbench.prediction.routing.MemoryBand): the area from the balanced (low) total to the
+    skewed (high) total, on the step clock, both sides aligned by phase like the overlay."""
+    from workbench.prediction.routing import MemoryBand
+
+    skewed = [(t, int(d * 1.5) if cat == "activation" else d, cat, *rest)  # peak 2200 instead of 2000
+              for t, d, cat, *rest in PREDICTED]
+    high = _timeline(skewed, ranks=(0,), source="predicted", rank_map={"0": 0, "1": 0})
+    band = MemoryBand(predicted, high, 2.0)
+    assert band.peaks().to_dict(orient="list") == {"rank": [0, 1], "low_peak": [2000, 2000],
+                                                     "high_peak": [2200, 2200]}
+
+    view = MemoryTimelineView(measured, band=band, rank=1)
+    assert view.x == "step"
+    (area,) = _traces(view.fig, "band")
+    assert area.fill == "toself" and view.fig.data[0] is area  # behind everything else
+    assert area.meta["rank"] == 0 and (area.meta["low_peak"], area.meta["high_peak"]) == (2000, 2200)
+    n = len(area.x) // 2  # the high total forward, then the low total back, on the measured step clock
+    assert list(area.x[:n]) == [0.0, 0.0, 0.5, 0.625, 1.0, 1.5] == list(area.x[n:][::-1])
+    scale = 4400 / max(_traces(view.fig, "total")[0].y)  # the axis unit of the shown rank
+    assert [round(y * scale) for y in area.y[:n]] == [1000, 1600, 1000, 1600, 2200, 1600]
+    assert [round(y * scale) for y in area.y[n:][::-1]] == [1000, 1400, 1000, 1600, 2000, 1600]
+    assert view.fig.layout.meta["routing_band"]["high_peak"] == 2200
+    assert "routing band" in view.fig.layout.title.text
+
+    view.show("ranks")  # one band per small multiple
+    assert [t.meta["rank"] for t in _traces(view.grid_fig, "band")] == [0, 0]
+    shown = view_for(band)  # evaluating a band shows its low timeline with the band behind it
+    assert isinstance(shown, MemoryTimelineView) and shown.band is band and len(_traces(shown.fig, "band")) == 1
+    with pytest.raises(ValueError, match="step clock"):
+        MemoryTimelineView(measured, band=band, x="time")

@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import workbench
+from helpers import launch_tiny, rank0_metrics
 from workbench.cli import main as cli_main
 from workbench.config import PRESETS, JobConfig, ParallelConfig, TrainConfig
 from workbench.models import build_model
@@ -235,13 +235,10 @@ TIMEOUT_S = 150
 
 
 def _run(tmp_path_factory, name, **kw):
-    out = tmp_path_factory.mktemp(name)
-    return workbench.launch("tiny", out=out, steps=STEPS, seed=SEED, **kw).wait(TIMEOUT_S)
+    return launch_tiny(tmp_path_factory, name, STEPS, SEED, TIMEOUT_S, **kw)
 
 
-def _rank0(run):
-    df = run.metrics
-    return df[df["rank"] == 0].set_index("step")
+_rank0 = rank0_metrics
 
 
 def _start(run):

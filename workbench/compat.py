@@ -87,6 +87,12 @@ SYMBOLS: dict[str, str] = {
     "dispatch_mode_stack": "torch.utils._python_dispatch:_get_current_dispatch_mode_stack",
     "fake_meta_handlers": "torch._subclasses.fake_tensor:_DISPATCH_META_HANDLERS",
     "fake_handle_directly": "torch._subclasses.fake_tensor:_DISPATCH_HANDLE_DIRECTLY",
+    # what a CUDA step runs, for fake steps on CPU tensors that target CUDA (workbench.prediction.cuda_ops)
+    "library_destroy": "torch.library:Library._destroy",  # a Library's registrations undone at once
+    "sdp_priority_order": "torch._C:_get_sdp_priority_order",
+    "sdpa_flash_cuda": "torch.ops:aten._scaled_dot_product_flash_attention",
+    "sdpa_efficient_cuda": "torch.ops:aten._scaled_dot_product_efficient_attention",
+    "sdpa_cudnn_cuda": "torch.ops:aten._scaled_dot_product_cudnn_attention",
     # torch's own op samples (the conformance harness's --source opinfo); needs the test-only package
     # expecttest, so it is imported on demand (op_db()), never at startup or by `workbench doctor`
     "op_db": "torch.testing._internal.common_methods_invocations:op_db",
@@ -190,6 +196,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
             ("FakeTensorMode", "FakeTensor", "disable_current_modes", "dispatch_mode_stack", "fake_meta_handlers",
              "fake_handle_directly", "FakeStore"),
             if_missing="workbench cannot predict memory by running a fake step"),
+    Feature("memory.cuda_ops", "CUDA's kernels in fake steps on CPU tensors (memory predict --device cuda without a GPU)",
+            ("TorchDispatchMode", "library_destroy", "sdp_priority_order", "sdpa_flash_cuda", "sdpa_efficient_cuda", "sdpa_cudnn_cuda"),
+            requires=("memory.fake_step",),
+            if_missing="a CUDA prediction on a machine without a GPU runs the CPU's kernels (attention's saved "
+                       "statistics, the optimizer's temporaries)"),
     Feature("train.activation_checkpointing", "activation checkpointing", ("checkpoint_wrapper", "CheckpointImpl")),
     Feature("checkpoint.ema", "EMA weights in checkpoints", ("get_fqns",)),
 ]}
@@ -527,3 +538,25 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
 
         _FAKE_MODE_CLS.append(FakeTensorModePassingDTensor)
     return _FAKE_MODE_CLS[0](**kwargs)
+
+
+_PLAIN_MODE_CLS: list = []
+
+
+def unguarded_dispatch_mode() -> type:
+    """A ``TorchDispatchMode`` base whose subclasses' ``__torch_dispatch__`` is not wrapped in
+    ``torch._dynamo.disable``, for modes that never run under ``torch.compile`` (the memory recorder:
+    ``TrainConfig`` refuses ``memory`` with ``compile``). torch wraps every subclass's method
+    (``_should_skip_dynamo``), which costs about 1.3 us per operator, a fifth of what recording adds.
+    On a torch without that hook, the plain ``TorchDispatchMode``."""
+    if not _PLAIN_MODE_CLS:
+        base = get("TorchDispatchMode")
+        if hasattr(base, "_should_skip_dynamo"):
+            class UnguardedDispatchMode(base):
+                @classmethod
+                def _should_skip_dynamo(cls) -> bool:
+                    return False
+
+            base = UnguardedDispatchMode
+        _PLAIN_MODE_CLS.append(base)
+    return _PLAIN_MODE_CLS[0]

@@ -406,7 +406,7 @@ class ParallelConfig(_JsonMixin):
 
 DTYPES = ("float32", "bfloat16")
 MIXED_PRECISION = ("none", "bf16")
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "op")  # workbench.parallel.checkpointing.AC_POLICIES
 DATASETS = ("synthetic", "text")
 DEVICES = ("auto", "cuda", "cpu")
 OPTIM_IMPLS = ("auto", "fused", "foreach", "loop")
@@ -433,10 +433,14 @@ class TrainConfig(_JsonMixin):
     data: str = setting("synthetic", "training data", choices=DATASETS)
     mixed_precision: str = setting("none", "bf16: compute in bfloat16, keep fp32 master weights, gradients reduced "
                                    "and Adam state in fp32", choices=MIXED_PRECISION)
-    activation_checkpointing: str = setting("none", "recompute activations in backward: every block (full) or "
-                                            "every ac_every-th (selective)", choices=AC_MODES, flag="--ac",
+    activation_checkpointing: str = setting("none", "recompute activations in backward: every block whole (full), "
+                                            "every ac_every-th block whole (selective: layer-level), or op-level "
+                                            "in every block (op: torchtitan's save list: matmul outputs but every "
+                                            "second, attention and reduce-scatter outputs)", choices=AC_MODES,
+                                            flag="--ac",
                                             aliases=("--activation-checkpointing",))
-    ac_every: int = setting(2, "selective checkpointing: every K-th block", min=1, metavar="K", limit=MAX_LAYERS)
+    ac_every: int = setting(2, "selective (layer-level) checkpointing: every K-th block", min=1, metavar="K",
+                            limit=MAX_LAYERS)
     kernels: str = setting("auto", "our custom ops' implementation: triton kernels, the torch reference, or "
                            "auto (Triton on CUDA, torch elsewhere); the choice made is recorded in config.json",
                            choices=KERNEL_BACKENDS)

@@ -17,6 +17,10 @@ signed and relative to the measurement::
 Ranks are matched by number. A prediction usually simulates one representative per group of ranks that
 build and run identically; its ``meta["rank_map"]`` maps every rank (a string) to the representative that
 stands for it, and is used when present (:func:`matching_rank`).
+
+Where both sides know the allocator's reserved peak (``max_memory_reserved``: an imported CUDA snapshot's
+segments, a CUDA prediction's caching allocator model), each row also has ``measured_reserved``,
+``predicted_reserved`` and their ``reserved_error``; elsewhere these are None.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from workbench.units import format_bytes
 __all__ = ["compare", "MemoryComparison", "matching_rank", "matching_step", "relative_error"]
 
 PEAK_COLUMNS = ["rank", "predicted_rank", "measured_peak", "predicted_peak", "error", "measured_step",
-                "measured_phase", "predicted_step", "predicted_phase", "same_phase"]
+                "measured_phase", "predicted_step", "predicted_phase", "same_phase", "measured_reserved",
+                "predicted_reserved", "reserved_error"]
 CATEGORY_COLUMNS = ["rank", "category", "measured", "predicted", "error"]
 
 
@@ -98,7 +103,10 @@ class MemoryComparison(RendersInNotebook):
         two peaks fall in different phases."""
         err = self.peaks["error"].abs()
         worst = int(self.peaks["rank"].iloc[int(np.argmax(err.to_numpy()))]) if len(err) else None
-        return {"ranks": len(self.peaks), "compared": "peaks (each side at its own peak; curves are not compared)",
+        res = pd.to_numeric(self.peaks["reserved_error"], errors="coerce").abs().dropna()
+        reserved = ({"reserved_median_abs_error": _num(res.median()), "reserved_max_abs_error": _num(res.max())}
+                    if len(res) else {})
+        return {**reserved, "ranks": len(self.peaks), "compared": "peaks (each side at its own peak; curves are not compared)",
                 "median_abs_error": _num(err.median()) if len(err) else None,
                 "max_abs_error": _num(err.max()) if len(err) else None, "worst_rank": worst,
                 "phase_mismatch_ranks": self.phase_mismatch_ranks(), "unmatched_ranks": list(self.unmatched),
@@ -174,10 +182,13 @@ def compare(measured: MemoryTimeline, predicted: MemoryTimeline) -> MemoryCompar
         if rep not in predicted_peaks:  # one representative often stands for many ranks
             predicted_peaks[rep] = predicted.peak(rep)
         p = predicted_peaks[rep]
+        m_res, p_res = measured.reserved_peak(rank), predicted.reserved_peak(rep)
         peak_rows.append({"rank": rank, "predicted_rank": rep, "measured_peak": m.bytes, "predicted_peak": p.bytes,
                           "error": relative_error(p.bytes, m.bytes), "measured_step": m.step,
                           "measured_phase": m.phase, "predicted_step": p.step, "predicted_phase": p.phase,
-                          "same_phase": m.phase == p.phase})
+                          "same_phase": m.phase == p.phase, "measured_reserved": m_res, "predicted_reserved": p_res,
+                          "reserved_error": relative_error(p_res, m_res) if m_res is not None and p_res is not None
+                          else None})
         for c in CATEGORIES:
             mb, pb = m.by_category.get(c, 0), p.by_category.get(c, 0)
             cat_rows.append({"rank": rank, "category": c, "measured": mb, "predicted": pb,

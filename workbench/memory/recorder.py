@@ -75,8 +75,28 @@ _COPY_OPS = frozenset({torch.ops.aten._to_copy.default, torch.ops.aten.clone.def
 # operators whose output is as large as their inputs together (a fold grows them: BlockTrace.joined)
 _JOIN_OPS = frozenset({torch.ops.aten.stack.default, torch.ops.aten.cat.default})
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")  # a transformer block's path: layers.<id>
+_SCALARS = (torch.device, torch.dtype, int, float, bool)
+_Tensor = torch.Tensor
+
+# id(operator) -> (operator, name, collective?, copy?, join?): looked up once per operator, by id, since an
+# OpOverload hashes in Python (a set lookup per call cost more than the rest of the bookkeeping)
+_FUNC_INFO: dict[int, tuple] = {}
+
+
+def _func_info(func) -> tuple:
+    info = (func, _op_name(func), getattr(func, "namespace", "") in _COMM_NAMESPACES, func in _COPY_OPS,
+            func in _JOIN_OPS)
+    _FUNC_INFO[id(func)] = info
+    return info
 
 _ACTIVE: list["MemoryRecorder"] = []
+
+
+def saves_for_backward(tensors: Iterable[Any]) -> None:
+    """Tell the running recorders that ``tensors`` are saved for backward: an op-level checkpointing policy
+    keeps them itself, where autograd's saved-tensor hooks do not see them."""
+    for rec in _ACTIVE:
+        rec.label((t for t in tensors if isinstance(t, torch.Tensor)), "activation")
 
 
 def _block_of_name(name: str) -> tuple[int, str]:
@@ -143,6 +163,7 @@ class MemoryRecorder:
             compat.require("memory.recorder", "memory recording", "upgrade torch (see `workbench doctor`)")
         self.rank = rank
         self.device = torch.device(device)
+        self._device_type = self.device.type if self.device.type in ("cpu", "cuda") else None
         # whose block sizes to count: the device's own, or CUDA's when a prediction made on fake CPU
         # tensors targets a GPU
         self.allocator = allocator or self.device.type
@@ -198,10 +219,10 @@ class MemoryRecorder:
 
     # -- storages --------------------------------------------------------------------------------
     def _storage(self, t: torch.Tensor):
-        if self.device.type == "cpu" and t.device.type not in ("cpu", "meta"):
-            return None
-        if self.device.type == "cuda" and t.device.type not in ("cuda", "meta"):
-            return None
+        if self._device_type is not None:
+            dev = t.device.type
+            if dev != "meta" and dev != self._device_type:
+                return None
         try:
             return t.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -222,11 +243,12 @@ class MemoryRecorder:
             ident = self._next_ident
             self._next_ident += 1
             module = self._module_stack[-1] if self._module_stack else ""
-            self._live[key] = entry = [ident, n, cat, module, op]
+            # a weak reference that logs the free (kept in the entry: cheaper than weakref.finalize)
+            ref = weakref.ref(storage, lambda _, key=key, ident=ident: self._freed(key, ident))
+            self._live[key] = entry = [ident, n, cat, module, op, ref]
             self._final[ident] = cat
             self._add(n, cat)
             self._builder.add(self._now(), n, cat, phase, MARKS.step, MARKS.microbatch, module, op, ident)
-            weakref.finalize(storage, self._freed, key, ident)
             return ident
         if category is not None:
             self._relabel(entry, category)
@@ -389,13 +411,19 @@ class MemoryRecorder:
     def _note_inputs(self, rows: int, args, kwargs) -> None:
         """Note the storages an operator reads (its tensor arguments, and those in list arguments)."""
         idents = []
-        live = self._live
-        for a in (*args, *(kwargs.values() if kwargs else ())):
-            for t in (a if isinstance(a, (list, tuple)) else (a,)):
-                if not isinstance(t, torch.Tensor):
+        live, storage_of, is_subclass = self._live, self._storage, self._is_subclass
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, _Tensor):
+                ts = (a,)
+            elif isinstance(a, (list, tuple)):
+                ts = a
+            else:
+                continue
+            for t in ts:
+                if not isinstance(t, _Tensor):
                     continue
-                for local in self._locals(t):
-                    storage = self._storage(local)
+                for local in (self._locals(t) if is_subclass(t) else (t,)):
+                    storage = storage_of(local)
                     entry = live.get(id(storage)) if storage is not None else None
                     if entry is not None:
                         idents.append(entry[0])
@@ -406,36 +434,42 @@ class MemoryRecorder:
         tree_flatten = compat.get("pytree").tree_flatten
         rec = self
 
-        class Recording(compat.get("TorchDispatchMode")):
+        is_subclass, see, perf_counter = rec._is_subclass, rec._see, time.perf_counter
+
+        class Recording(compat.unguarded_dispatch_mode()):  # never under torch.compile (TrainConfig)
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 rows = 0  # only the fold reads it
                 if rec.blocks is not None:
                     rows = len(rec._builder.rows)
                     rec._note_inputs(rows, args, kwargs)
-                out = func(*args, **(kwargs or {}))
-                if out is None or isinstance(out, (torch.device, torch.dtype, int, float, bool)):
+                out = func(*args, **kwargs) if kwargs else func(*args)
+                if out is None or isinstance(out, _SCALARS):
                     return out  # prim::device, sizes, scalars: half of all calls, nothing to count
-                t0 = time.perf_counter()
-                ns = getattr(func, "namespace", "")
-                comm = ns in _COMM_NAMESPACES
+                t0 = perf_counter()
+                _, name, comm, copy, join = _FUNC_INFO.get(id(func)) or _func_info(func)
                 label = "communication" if comm else None
-                if func in _COPY_OPS and args and rec._phase() == "backward" and rec._is_gradient(args[0]):
+                if copy and args and rec._phase() == "backward" and rec._is_gradient(args[0]):
                     label = "gradient"
-                name = None
-                outs = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+                if isinstance(out, _Tensor):
+                    outs = (out,)
+                elif isinstance(out, (list, tuple)) and not any(isinstance(t, (list, tuple, dict)) for t in out):
+                    outs = out
+                else:
+                    outs = tree_flatten(out)[0]
                 for t in outs:
-                    if isinstance(t, torch.Tensor):
-                        name = name or _op_name(func)
-                        for local in rec._locals(t):
-                            rec._see(local, label, name)
-                if comm:  # buffers handed to a collective (DDP buckets, FSDP2's all-gather input)
-                    name = name or _op_name(func)
-                    for t in tree_flatten((args, kwargs))[0]:
-                        if isinstance(t, torch.Tensor):
+                    if isinstance(t, _Tensor):
+                        if is_subclass(t):
                             for local in rec._locals(t):
-                                rec._see(local, "communication", name)
+                                see(local, label, name)
+                        else:
+                            see(t, label, name)
+                if comm:  # buffers handed to a collective (DDP buckets, FSDP2's all-gather input)
+                    for t in tree_flatten((args, kwargs))[0]:
+                        if isinstance(t, _Tensor):
+                            for local in rec._locals(t):
+                                see(local, "communication", name)
                 if rec.blocks is not None:
-                    if func in _JOIN_OPS and len(rec._builder.rows) == rows + 1:
+                    if join and len(rec._builder.rows) == rows + 1:
                         ins = tuple((i, t.numel() * t.element_size()) for t in args[0]
                                     if isinstance(t, torch.Tensor) for i in rec._idents(t)[:1])
                         rec.blocks.joined[rows] = (out.numel() * out.element_size(), ins)
@@ -445,8 +479,11 @@ class MemoryRecorder:
         return Recording()
 
     def _pack(self, t):
-        for local in self._locals(t):
-            self._see(local, "activation", "(saved)")
+        if self._is_subclass(t):
+            for local in self._locals(t):
+                self._see(local, "activation", "(saved)")
+        else:
+            self._see(t, "activation", "(saved)")
         return t
 
     def _pre_forward(self, module, args):
@@ -457,7 +494,7 @@ class MemoryRecorder:
         # their gradients, made in backward and reduced before any optimizer step, are gradients
         for name, p in module._parameters.items():
             if p is not None:
-                for local in self._locals(p):
+                for local in (self._locals(p) if self._is_subclass(p) else (p,)):
                     self._see(local, "parameter", "(unshard)")
                 self._hook_gradient(p)
                 if self.blocks is not None:

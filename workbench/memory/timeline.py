@@ -286,13 +286,30 @@ class MemoryTimeline(RendersInNotebook):
                     int(row["microbatch"]), {c: int(cats[c]) for c in CATEGORIES if cats[c]})
 
     def peaks(self) -> pd.DataFrame:
-        """One row per rank: peak bytes, when, and bytes per category at that moment."""
+        """One row per rank: peak bytes, when, and bytes per category at that moment; plus ``reserved_bytes``
+        (the allocator's reserved peak, :meth:`reserved_peak`) when the timeline knows it for every rank."""
         rows = []
         for r in self.ranks:
             p = self.peak(r)
             rows.append({"rank": r, "peak_bytes": p.bytes, "t": p.t, "step": p.step, "phase": p.phase,
                          "microbatch": p.microbatch, **{c: p.by_category.get(c, 0) for c in CATEGORIES}})
+        reserved = [self.reserved_peak(r) for r in self.ranks]
+        if rows and all(v is not None for v in reserved):
+            for row, v in zip(rows, reserved):
+                row["reserved_bytes"] = v
         return pd.DataFrame(rows)
+
+    def reserved_peak(self, rank: int) -> int | None:
+        """``max_memory_reserved`` of ``rank`` where the timeline knows it: a CUDA prediction's caching
+        allocator model (``meta["allocator"]``, workbench.memory.allocator) or an imported snapshot's
+        segment events (``meta["reserved_bytes"]``); else None."""
+        for key, field_ in (("allocator", "peak_reserved"), ("reserved_bytes", "peak")):
+            per = self.meta.get(key)
+            per = per.get("ranks", per) if isinstance(per, dict) and key == "allocator" else per
+            v = per.get(str(rank)) if isinstance(per, dict) else None
+            if isinstance(v, dict) and type(v.get(field_)) is int:
+                return v[field_]
+        return None
 
     def peak_breakdown(self) -> pd.DataFrame:
         """What each rank's peak is made of, indexed by rank: one column per category that is non-zero at

@@ -156,7 +156,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = MoEFeedForward(cfg) if cfg.n_experts else FeedForward(cfg)
+        self.feed_forward = MoEFeedForward(cfg, layer_id) if cfg.n_experts else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = self._residual(x, self.attention(self.attention_norm(x), cos, sin), site=0)

@@ -17,9 +17,17 @@ It is 1 when routing is uniform and grows as it concentrates. ``f`` comes from a
 gradient; ``P`` does. After each forward the module keeps ``aux_loss``, the pieces it is built from
 (``router_prob_mean``, ``tokens_per_expert``), so a trainer can log them or recompute ``f`` over a
 larger batch than this process sees.
+
+Predicting memory (``workbench.prediction``), the step runs on fake tensors, whose routing has no values.
+Each layer then splits its token-slots evenly over the experts, unless :func:`simulated_routing` gives it
+the numbers: ``route(layer_id, slots, n_experts) -> slots per expert`` on this rank, e.g. a measured run's
+counts scaled to this job's tokens (``workbench.prediction.routing``).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,28 +36,72 @@ from torch import nn
 from workbench import compat
 from workbench.config import ModelConfig
 
-__all__ = ["GroupedExperts", "MoEFeedForward", "grouped_swiglu", "expert_counts", "split_sizes"]
+__all__ = ["GroupedExperts", "MoEFeedForward", "grouped_swiglu", "expert_counts", "split_sizes",
+           "simulated_routing", "simulated_split"]
+
+# route(layer_id, slots, n_experts) -> token-slots per expert on this rank (none active: balanced).
+Route = Callable[[int | None, int, int], list[int]]
+# A process-wide stack, not a ContextVar: autograd may run a checkpointed block's recomputation on its own
+# thread (CUDA's device threads), and it must route as the forward did.
+_ROUTES: list[Route] = []
+_SPLIT_ATTR = "_workbench_simulated_split"
 
 
-def expert_counts(slot_expert: torch.Tensor, n_experts: int) -> torch.Tensor:
+@contextmanager
+def simulated_routing(route: Route) -> Iterator[None]:
+    """On fake tensors, route each MoE layer's token-slots as ``route(layer_id, slots, n_experts)`` says
+    (a list of ``n_experts`` non-negative ints summing to ``slots``) instead of evenly.
+
+    Under expert parallelism every rank must see the same numbers for the same layer (each rank's send
+    sizes are its peers' receive sizes), so ``route`` should come from one global table per layer, as
+    ``workbench.prediction.routing`` makes it. Real tensors are never affected.
+    """
+    _ROUTES.append(route)
+    depth = len(_ROUTES)
+    try:
+        yield
+    finally:
+        del _ROUTES[depth - 1:]
+
+
+def simulated_split(counts: torch.Tensor) -> list[int] | None:
+    """The per-expert split :func:`simulated_routing` gave ``counts`` (fake tensors only), else None."""
+    return getattr(counts, _SPLIT_ATTR, None) if compat.is_fake(counts) else None
+
+
+def expert_counts(slot_expert: torch.Tensor, n_experts: int, layer_id: int | None = None) -> torch.Tensor:
     """Token-slots routed to each expert: ``(E,)`` int64.
 
     Under FakeTensorMode (``workbench.memory`` predicting memory) the routing has no values to count;
-    the result is then a tensor of the right shape, and :func:`split_sizes` supplies the sizes.
+    the result is then a tensor of the right shape, and :func:`split_sizes` supplies the sizes: even,
+    or what an active :func:`simulated_routing` says for layer ``layer_id``.
     """
     if compat.is_fake(slot_expert):
-        return slot_expert.new_zeros(n_experts)
+        counts = slot_expert.new_zeros(n_experts)
+        if _ROUTES:
+            route = _ROUTES[-1]
+            slots = slot_expert.numel()
+            split = [int(c) for c in route(layer_id, slots, n_experts)]
+            if len(split) != n_experts or sum(split) != slots or min(split, default=0) < 0:
+                raise ValueError(f"simulated routing of layer {layer_id} gave {split}: it must be {n_experts} "
+                                 f"non-negative counts summing to {slots}")
+            setattr(counts, _SPLIT_ATTR, split)
+        return counts
     return torch.bincount(slot_expert, minlength=n_experts)
 
 
 def split_sizes(counts: torch.Tensor, total: int) -> list[int]:
     """``counts.tolist()`` for a 1-D tensor of row counts (per expert, or per rank) that sum to ``total``.
 
-    Under FakeTensorMode the counts have no values, and routing is taken to be balanced: ``total``
-    rows spread evenly, the first entries taking one more where they do not divide.
+    Under FakeTensorMode the counts have no values: the split :func:`simulated_routing` attached to them
+    (:func:`simulated_split`) when there is one, else balanced routing: ``total`` rows spread evenly,
+    the first entries taking one more where they do not divide.
     """
     if not compat.is_fake(counts):
         return counts.tolist()
+    split = simulated_split(counts)
+    if split is not None and sum(split) == total and len(split) == counts.numel():
+        return list(split)
     base, extra = divmod(total, counts.numel())
     return [base + (i < extra) for i in range(counts.numel())]
 
@@ -90,8 +142,9 @@ class GroupedExperts(nn.Module):
 class MoEFeedForward(nn.Module):
     """Router + dropless top-k dispatch over ``GroupedExperts``. Input and output: (batch, seq, dim)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int | None = None):
         super().__init__()
+        self.layer_id = layer_id  # which transformer block: names the layer to a simulated routing
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.dim, cfg.ffn_hidden, cfg.n_experts)
@@ -111,7 +164,7 @@ class MoEFeedForward(nn.Module):
         n, k = x.shape[0], self.top_k
         probs, gates, experts = self.route(x)
         slot_expert = experts.flatten()  # slot j belongs to token j // k
-        counts = expert_counts(slot_expert, self.n_experts)
+        counts = expert_counts(slot_expert, self.n_experts, self.layer_id)
         order = slot_expert.argsort(stable=True)  # slots grouped by expert, token order kept within
         routed = self.experts(x[order // k], counts)
         slots = routed[order.argsort()].view(n, k, shape[-1])

@@ -44,10 +44,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from workbench.config import ParallelConfig
-from workbench.models.moe import GroupedExperts, MoEFeedForward, grouped_swiglu, split_sizes
+from workbench.models.moe import GroupedExperts, MoEFeedForward, grouped_swiglu, simulated_split, split_sizes
 from workbench.parallel.collectives import Collective
 
-__all__ = ["apply_ep", "expert_meshes", "load_balancing_loss", "ep_comm", "load_balance_comm"]
+__all__ = ["apply_ep", "expert_meshes", "load_balancing_loss", "ep_comm", "load_balance_comm", "simulated_splits"]
 
 
 def expert_meshes(mesh: DeviceMesh, parallel: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh]:
@@ -95,6 +95,23 @@ def _source_to_expert_order(recv: torch.Tensor, total: int) -> torch.Tensor:
     return pos - new_starts.repeat_interleave(lens, output_size=total) + starts.repeat_interleave(lens, output_size=total)
 
 
+def simulated_splits(split: list[int], ep: int, me: int) -> tuple[list[int], list[int], list[int]]:
+    """The all-to-all sizes of ep rank ``me`` when every rank of the ep group routes its slots as ``split``
+    (per global expert; one table for every rank, as a simulated routing gives it, so the sizes agree:
+    what rank s sends to rank d is what d receives from s)::
+
+        send[d]   = sum of split over rank d's experts        (rows this rank sends to d)
+        recv[s]   = sum of split over my experts               (rows from each source s: the same split)
+        rows[l]   = ep * split[me * E/ep + l]                  (rows my local expert l runs)
+
+    Returns ``(send_splits, recv_splits, rows per local expert)``.
+    """
+    n_local = len(split) // ep
+    send = [sum(split[d * n_local:(d + 1) * n_local]) for d in range(ep)]
+    mine = split[me * n_local:(me + 1) * n_local]
+    return send, [sum(mine)] * ep, [ep * c for c in mine]
+
+
 class ExpertParallelExperts(GroupedExperts):
     """``GroupedExperts`` whose weights are ep-sharded DTensors; forward dispatches over the ep group.
 
@@ -114,10 +131,15 @@ class ExpertParallelExperts(GroupedExperts):
         recv = torch.empty_like(counts)
         dist.all_to_all_single(recv, counts, group=group)  # my local experts' counts from each source
         recv = recv.view(ep, n_local)
-        # Row counts as numbers (under FakeTensorMode: balanced routing, each rank receiving as many
-        # rows as it sends; see workbench.models.moe.split_sizes).
-        send_splits = split_sizes(counts.view(ep, n_local).sum(1), x.shape[0])
-        recv_splits = split_sizes(recv.sum(1), x.shape[0])
+        # Row counts as numbers. Under FakeTensorMode they have none: balanced routing, each rank receiving
+        # as many rows as it sends (workbench.models.moe.split_sizes), or a simulated routing's split.
+        sim = simulated_split(counts)
+        if sim is not None:
+            send_splits, recv_splits, expert_rows = simulated_splits(sim, ep, dist.get_rank(group))
+        else:
+            send_splits = split_sizes(counts.view(ep, n_local).sum(1), x.shape[0])
+            recv_splits = split_sizes(recv.sum(1), x.shape[0])
+            expert_rows = None
 
         tokens = _AllToAll.apply(x, recv_splits, send_splits, group)
         order = _source_to_expert_order(recv, sum(recv_splits))
@@ -127,7 +149,9 @@ class ExpertParallelExperts(GroupedExperts):
             if local.requires_grad:
                 local.register_hook(lambda g: g / ep)  # sum over the ep group -> mean (see module doc)
             weights.append(local)
-        out = grouped_swiglu(tokens[order], split_sizes(recv.sum(0), sum(recv_splits)), *weights)
+        if expert_rows is None:
+            expert_rows = split_sizes(recv.sum(0), sum(recv_splits))
+        out = grouped_swiglu(tokens[order], expert_rows, *weights)
         out = out[order.argsort()]
         return _AllToAll.apply(out, send_splits, recv_splits, group)
 

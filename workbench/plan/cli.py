@@ -29,8 +29,10 @@ from workbench.units import format_bytes
 __all__ = ["add_parser", "cmd_plan"]
 
 
-# The training settings that change a plan (the batch shape and the dtypes); the rest only matter to a run.
-PLAN_TRAIN_SETTINGS = ("global_batch", "micro_batch", "seq_len", "dtype", "mixed_precision")
+# The training settings that change a plan (the batch shape and the dtypes; activation checkpointing changes
+# its --memory prediction); the rest only matter to a run.
+PLAN_TRAIN_SETTINGS = ("global_batch", "micro_batch", "seq_len", "dtype", "mixed_precision", "activation_checkpointing",
+                       "ac_every")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +50,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "cuda (what torch.cuda.max_memory_allocated would report), since plans are for GPU jobs")
     p.add_argument("--budget", dest="memory_budget", default=None, metavar="SIZE",
                    help="memory per rank, e.g. 80GiB: does the job fit, and the largest micro batch that does "
-                        "(predicted for the --memory device, cuda when not given)")
+                        "(predicted for the --memory device, cuda when not given; on CUDA: the reserved peak "
+                        "plus --margin)")
+    p.add_argument("--margin", dest="memory_margin", default="auto", metavar="SIZE",
+                   help="with --budget on CUDA: memory per rank outside the caching allocator (CUDA context, "
+                        "NCCL buffers), e.g. 1.5GiB or 0; auto: 512 MiB + 256 MiB per NCCL communicator")
     p.add_argument("--json", action="store_true", help="print one JSON document (with every rank's totals)")
     p.set_defaults(func=cmd_plan)
 
@@ -76,9 +82,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         try:  # the bar goes to stderr: a --json document on stdout stays clean
             if args.memory_budget is not None:
                 parse_bytes(args.memory_budget)  # a typo fails before seconds of prediction
+                if args.memory_margin.strip().lower() not in ("auto", "0", "0b"):
+                    try:
+                        parse_bytes(args.memory_margin)
+                    except ValueError:
+                        raise ValueError(f"--margin {args.memory_margin!r}: write a size like 1.5GiB or 512MiB, "
+                                         "0, or auto") from None
             result.predict_memory(device, progress=not args.json)
             if args.memory_budget is not None:
-                fit = result.fits(args.memory_budget, device=device, progress=not args.json)
+                fit = result.fits(args.memory_budget, device=device, progress=not args.json,
+                                  margin=args.memory_margin)
         except (ValueError, TypeError) as e:
             return error(_one_line(e), args.json)
         except RuntimeError as e:  # a prediction that ran and failed
@@ -95,6 +108,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{s['n_params']:,} parameters in {s['n_tensors']} tensors ({format_bytes(s['param_bytes'])} as stored), "
           f"zero={s['zero']}, mixed_precision={s['mixed_precision']}, "
           f"global_batch={train.global_batch} x seq_len={train.seq_len}")
+    if train.activation_checkpointing != "none":
+        from workbench.parallel.checkpointing import ac_policy
+
+        print(f"activation checkpointing: {ac_policy(train.activation_checkpointing, train.ac_every)}")
     print()
     print(f"{'per rank':<12} {'max':>14} {'min':>14}")
     for k in (*STATE_KINDS, "total"):

@@ -209,17 +209,21 @@ class ShardingPlan(RendersInNotebook):
             cache[device] = memory.peak_per_rank(self.predict_memory(device))
         return cache[device].copy()
 
-    def fits(self, budget: int | float | str, device: str = "cuda", progress: bool = False):
+    def fits(self, budget: int | float | str, device: str = "cuda", progress: bool = False,
+             margin: int | float | str | None = None):
         """Does this plan's job fit in ``budget`` per rank (``"80GiB"``), and the largest micro batch that
-        does (:class:`workbench.prediction.memory.FitAnswer`). Cached per (budget, device): the search
-        runs several predictions."""
+        does (:class:`workbench.prediction.memory.FitAnswer`)? On CUDA it compares the predicted reserved
+        peak plus ``margin`` (default: CUDA context + NCCL, :func:`workbench.prediction.memory.default_margin`).
+        The job as planned is this plan's cached prediction (:meth:`predict_memory`), not predicted again;
+        answers are cached per (budget, device, margin): the search runs several predictions."""
         from workbench import memory
         from workbench.units import parse_bytes
 
-        key = (parse_bytes(budget), device)
+        key = (parse_bytes(budget), device, margin)
         cache = self.__dict__.setdefault("_fits", {})
         if key not in cache:
-            cache[key] = memory.fits(self._job(), key[0], device=device, progress=progress)
+            cache[key] = memory.fits(self._job(), key[0], device=device, progress=progress, margin=margin,
+                                     timeline=self.predict_memory(device, progress=progress))
         return cache[key]
 
     def _predicted(self) -> tuple[str, "pd.Series"] | None:

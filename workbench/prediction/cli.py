@@ -45,11 +45,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "group for every distinct rank, and print the peak bytes per rank.")
     _model_and_layout(pr, exclude=("device",))  # its --device is the target predicted for, not where ranks run
     pr.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="what to predict: the CPU recorder's peak, or CUDA's max_memory_allocated")
+                    help="what to predict: the CPU recorder's peak, or CUDA's max_memory_allocated and "
+                         "max_memory_reserved (the caching allocator model; PYTORCH_CUDA_ALLOC_CONF here is used)")
     pr.add_argument("--budget", default=None, metavar="SIZE",
                     help="memory per rank, e.g. 80GiB: say whether the job fits and the largest micro batch "
-                         "that does")
+                         "that does (on CUDA: the reserved peak plus --margin)")
+    pr.add_argument("--margin", default="auto", metavar="SIZE",
+                    help="with --budget on CUDA: memory per rank outside the caching allocator (CUDA context, "
+                         "NCCL buffers), e.g. 1.5GiB or 0; auto: 512 MiB + 256 MiB per NCCL communicator")
     pr.add_argument("--out", type=output_dir, default=None, help="save the predicted timeline into this directory")
+    _routing_arguments(pr)
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_predict)
 
@@ -121,7 +126,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from workbench.prediction.memory import fits, peak_per_rank, predict
+    from workbench.prediction.memory import fits, peak_per_rank, predict, reserved_per_rank
 
     from workbench.units import parse_bytes
 
@@ -129,32 +134,51 @@ def cmd_predict(args: argparse.Namespace) -> int:
         settings = dict(parallel=from_args(args, "parallel"), train=from_args(args, "train"), nproc=args.nproc)
         if args.budget:
             parse_bytes(args.budget)  # a typo fails before the prediction's seconds of work
-        tl = predict(args.model, device=args.device, progress=not args.json, **settings)
-        answer = fits(args.model, args.budget, device=args.device, **settings) if args.budget else None
+        _check_margin(args.margin)
+        skew = _band_skew(args, settings)  # MoE: the band's capacity factor (None: no band)
+        tl = predict(args.model, device=args.device, progress=not args.json, routing=args.routing, **settings)
+        band = _band(args, tl, skew, settings)
+        answer = (fits(args.model, args.budget, device=args.device, margin=args.margin, timeline=tl, **settings)
+                  if args.budget else None)
     except (ValueError, TypeError) as e:
         return error(str(e), args.json)
     if args.out:
         tl.save(args.out)
     peaks = peak_per_rank(tl)
+    reserved = reserved_per_rank(tl) if tl.device == "cuda" else None
     if args.json:
         doc = {"status": "ok", **tl.summary(), "peak_bytes_per_rank": {str(k): int(v) for k, v in peaks.items()},
                "max_peak_bytes": int(peaks.max()), "peaks": tl.peaks().to_dict(orient="records")}
         doc.pop("job", None)
+        if band is not None:
+            doc["band"] = band.summary()
+        if reserved is not None:
+            doc["reserved_bytes_per_rank"] = {str(k): int(v) for k, v in reserved.items()}
+            doc["max_reserved_bytes"] = int(reserved.max())
         if answer is not None:
             doc["fit"] = {"budget_bytes": answer.budget_bytes, "fits": answer.fits,
                           "largest_micro_batch": answer.micro_batch, "peak_at_micro_batch": answer.peak_at_micro_batch,
-                          "tried": {str(k): v for k, v in answer.tried.items()}}
+                          "tried": {str(k): v for k, v in answer.tried.items()}, "compared": answer.compared,
+                          "peak_bytes": answer.peak_bytes, "margin_bytes": answer.margin_bytes,
+                          "needed_bytes": answer.needed_bytes, "runs_out": answer.runs_out}
         emit_json(doc)
         return 0
     m = tl.meta
     print(f"{m['model']}  [{m['layout']}]  {m['world_size']} ranks, predicted for {tl.device} "
           f"({len(tl.ranks)} distinct rank(s) simulated in {m['prediction_s']:.1f} s)")
+    if m.get("ac_policy"):
+        print(f"activation checkpointing: {m['ac_policy']}")
     _print_peaks(tl)
     groups = peaks.groupby(peaks).groups
     print()
-    print("peak per rank:")
-    for value, ranks in sorted(groups.items(), key=lambda kv: -kv[0]):
-        print(f"  {format_bytes(value):>12}  ranks {_ranges(list(ranks))}")
+    print("peak per rank" + (" (allocated, reserved):" if reserved is not None else ":"))
+    for value, members in sorted(groups.items(), key=lambda kv: -kv[0]):
+        res = reserved[list(members)] if reserved is not None else None
+        also = "" if res is None else f"  {format_bytes(int(res.max())):>12}"
+        print(f"  {format_bytes(value):>12}{also}  ranks {_ranges(list(members))}")
+    if reserved is not None:
+        _print_allocator(tl)
+    _print_band(band)
     if answer is not None:
         print()
         print(answer)
@@ -274,10 +298,90 @@ def _print_peaks(tl) -> None:
 
     peaks = tl.peaks()
     cats = [c for c in CATEGORIES if peaks[c].any()]
-    print(f"{'rank':>5} {'peak':>12} {'phase':<10} {'step':>4}  " + " ".join(f"{c[:12]:>12}" for c in cats))
+    has_reserved = "reserved_bytes" in peaks.columns
+    print(f"{'rank':>5} {'peak':>12} " + (f"{'reserved':>12} " if has_reserved else "")
+          + f"{'phase':<10} {'step':>4}  " + " ".join(f"{c[:12]:>12}" for c in cats))
     for r in peaks.itertuples():
-        print(f"{r.rank:>5} {format_bytes(r.peak_bytes):>12} {r.phase:<10} {r.step:>4}  "
+        res = f"{format_bytes(r.reserved_bytes):>12} " if has_reserved else ""
+        print(f"{r.rank:>5} {format_bytes(r.peak_bytes):>12} {res}{r.phase:<10} {r.step:>4}  "
               + " ".join(f"{format_bytes(getattr(r, c)):>12}" for c in cats))
+
+
+def _print_allocator(tl) -> None:
+    """The caching allocator model's figures: fragmentation, segments, steps where caching costs > 5%."""
+    info = tl.meta.get("allocator") or {}
+    for r, v in sorted((info.get("ranks") or {}).items(), key=lambda kv: int(kv[0])):
+        line = (f"rank {r}: caching allocator reserves {format_bytes(v['peak_reserved'])} for "
+                f"{format_bytes(v['peak_allocated'])} allocated in blocks (+{v['overhead']:.1%}; fragmentation "
+                f"{v['fragmentation']:.1%}, {v['segments']} segments)")
+        if v.get("flagged_steps"):
+            worst = max(v["steps"], key=lambda s: s["overhead"])
+            line += (f"; over {info.get('flag_overhead', 0.05):.0%} in step(s) {v['flagged_steps']} "
+                     f"(worst +{worst['overhead']:.1%} in step {worst['step']})")
+        print(line)
+    if info.get("ignored_settings"):
+        print(f"PYTORCH_CUDA_ALLOC_CONF settings not modelled (ignored): {', '.join(info['ignored_settings'])}")
+
+
+def _routing_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--routing", default=None, metavar="RUN",
+                   help="mixture of experts: predict with the measured routing (tokens per expert) of this run "
+                        "directory or its events.jsonl, instead of a band")
+    p.add_argument("--moe-skew", type=float, default=None, metavar="CF",
+                   help="mixture of experts without --routing: predict a band from balanced routing to each "
+                        "rank's worst case when no expert routes more than CF x its mean load (a capacity "
+                        "factor, 1 to n_experts/top_k; default 2, capped there; 1: balanced only)")
+
+
+def _band_skew(args: argparse.Namespace, settings: dict) -> float | None:
+    """The band's capacity factor for this job (None: dense, --routing given, or 1), checked up front."""
+    from workbench.prediction.memory import _job
+    from workbench.prediction.routing import DEFAULT_CAPACITY_FACTOR, RoutingSkew
+
+    job = _job(args.model, **settings)
+    if not job.model.n_experts:
+        if args.moe_skew is not None or args.routing is not None:
+            raise ValueError(f"--{'routing' if args.routing else 'moe-skew'} is for a mixture-of-experts model; "
+                             f"{job.model.name!r} is dense")
+        return None
+    if args.routing is not None:
+        if args.moe_skew is not None:
+            raise ValueError("pass --routing (a measured routing) or --moe-skew (a band), not both")
+        return None
+    skew = args.moe_skew if args.moe_skew is not None else min(DEFAULT_CAPACITY_FACTOR,
+                                                               job.model.n_experts / job.model.top_k)
+    RoutingSkew(skew).check(job)
+    return None if skew == 1 else skew
+
+
+def _band(args: argparse.Namespace, low, skew: float | None, settings: dict):
+    from workbench.prediction.memory import predict
+    from workbench.prediction.routing import MemoryBand, RoutingSkew
+
+    if skew is None:
+        return None
+    high = predict(args.model, device=args.device, progress=not args.json, routing=RoutingSkew(skew), **settings)
+    return MemoryBand(low, high, skew)
+
+
+def _print_band(band) -> None:
+    if band is None:
+        return
+    p = band.peaks()
+    print()
+    print(f"routing band (balanced to capacity factor {band.capacity_factor:g}): peak "
+          f"{format_bytes(int(p['low_peak'].max()))} to {format_bytes(int(p['high_peak'].max()))}")
+
+
+def _check_margin(value: str) -> None:
+    from workbench.units import parse_bytes
+
+    if value.strip().lower() in ("auto", "0", "0b"):
+        return
+    try:
+        parse_bytes(value)
+    except ValueError:
+        raise ValueError(f"--margin {value!r}: write a size like 1.5GiB or 512MiB, 0, or auto") from None
 
 
 def _ranges(ranks: list[int]) -> str:

@@ -26,10 +26,13 @@ A fake step costs about 0.2 ms per operator, whatever the tensor sizes: a llama-
 keep the peak and cut the time: ``microbatches="peak"`` (:func:`same_peak_job`) and ``warm_start``.
 ``device="cuda"`` fakes CUDA tensors, which :func:`fake_rank` does on any machine; a training step on
 them needs a CUDA build of torch and a visible GPU (autograd's engine and FSDP2 make CUDA streams).
+Without one, ``target="cuda"`` on CPU tensors runs the operators CUDA runs differently as CUDA runs them
+(:mod:`workbench.prediction.cuda_ops`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -107,6 +110,7 @@ class FakeRunInfo:
     result: Any = None                # the last step's StepResult (fake tensors)
     actions: list = field(default_factory=list)  # pipeline: the F/B actions of the last step
     job: Any = None                   # the job the steps ran (same_peak_job's under microbatches="peak")
+    device_model: dict = field(default_factory=dict)  # target, simulated_on, what CUDA ops ran (cuda_ops)
 
     @property
     def total_s(self) -> float:
@@ -117,7 +121,8 @@ def run_fake_steps(job: JobConfig, rank: int, *, device: str | torch.device = "c
                    on_built: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None = None,
                    mode_factory: Callable[[], Any] | None = None,
                    on_step: Callable[[int, Any], None] | None = None,
-                   microbatches: str = "all", warm_start: bool = False) -> FakeRunInfo:
+                   microbatches: str = "all", warm_start: bool = False,
+                   target: str | None = None) -> FakeRunInfo:
     """Build ``job`` as rank ``rank`` builds it and run ``steps`` of its training steps, all on fake tensors.
 
     ``mode_factory()``: a context manager (e.g. a TorchDispatchMode recorder) entered right after
@@ -129,6 +134,10 @@ def run_fake_steps(job: JobConfig, rank: int, *, device: str | torch.device = "c
     ``warm_start``: make the optimizer state before the first step, as a resumed run has it (one
     optimizer step on zero gradients, marked phase "optimizer" of step -1), so that the first step
     simulated is already a steady-state one: ``steps=1`` then reaches the peak of ``steps=2``.
+    ``target``: the device the run stands in for (default ``device``). ``target="cuda"`` on fake CPU
+    tensors runs CUDA's operators where they save or allocate differently from the CPU's
+    (:mod:`workbench.prediction.cuda_ops`: attention's backend, fused AdamW, our Triton embedding
+    backward); ``FakeRunInfo.device_model`` says what ran.
     """
     if microbatches not in ("all", "peak"):
         raise ValueError(f"microbatches={microbatches!r}: choose 'all' or 'peak'")
@@ -144,13 +153,18 @@ def run_fake_steps(job: JobConfig, rank: int, *, device: str | torch.device = "c
     from workbench.parallel.build import build_stages
     from workbench.train.step import build_train_step
 
+    device = torch.device(device)
+    cuda_ops, device_model = _device_model(job, device, target)
+    if cuda_ops is not None:
+        from workbench.prediction.cuda_ops import cuda_train_config
+
+        job = dataclasses.replace(job, train=cuda_train_config(job.train))
     mcfg, pcfg, tcfg = job.model, job.parallel, job.train
     world = pcfg.world_size
     p, r, s, t = pcfg.rank_coords(rank)
-    device = torch.device(device)
     info = None
     with fake_rank(world, rank, device, pcfg) as fr, _spmd_rules(tcfg.spmd_rules):
-        with mode_factory() if mode_factory is not None else nullcontext():
+        with mode_factory() if mode_factory is not None else nullcontext(), cuda_ops or nullcontext():
             t0 = time.perf_counter()
             with phase("build"):
                 stages = build_stages(mcfg, pcfg, tcfg, fr.mesh, device, pp_rank=p)
@@ -184,7 +198,25 @@ def run_fake_steps(job: JobConfig, rank: int, *, device: str | torch.device = "c
                 set_step(-1)
             if step_fn.pipe is not None:
                 info.actions = step_fn.pipe.actions()
+    info.device_model = {**device_model, **(cuda_ops.summary() if cuda_ops is not None else {})}
+    if cuda_ops is not None:
+        info.device_model["optimizer"] = tcfg.optim_impl
     return info
+
+
+def _device_model(job: JobConfig, device: torch.device, target: str | None):
+    """(the CudaOps a CPU step targeting CUDA runs under, or None; what the run's metadata says of it)."""
+    target = torch.device(target).type if target is not None else device.type
+    if target not in ("cpu", "cuda"):
+        raise ValueError(f"target={target!r}: a fake rank stands in for 'cpu' or 'cuda'")
+    model = {"target": target, "simulated_on": device.type}
+    if target == "cpu" or device.type == "cuda":
+        return None, {**model, "cuda_ops": "none" if target == "cpu" else "native"}
+    if not compat.check("memory.cuda_ops"):
+        return None, {**model, "cuda_ops": "cpu kernels (this torch lacks what substitution needs)"}
+    from workbench.prediction.cuda_ops import CudaOps, CudaTarget
+
+    return CudaOps(CudaTarget(kernels=job.train.kernels)), model
 
 
 def _make_optimizer_state(step_fn) -> None:
@@ -291,7 +323,8 @@ def _spmd_rules(on: bool) -> Iterator[None]:
         yield
 
 
-def distinct_ranks(job: JobConfig | ParallelConfig, model: ModelConfig | None = None) -> dict[int, int]:
+def distinct_ranks(job: JobConfig | ParallelConfig, model: ModelConfig | None = None, *,
+                   symmetric_routing: bool = True) -> dict[int, int]:
     """Every rank of the job -> the representative rank it builds and runs identically to (the lowest).
 
     Ranks differ in memory only where they hold differently sized tensors or run different code:
@@ -303,11 +336,14 @@ def distinct_ranks(job: JobConfig | ParallelConfig, model: ModelConfig | None = 
     * and under FSDP2 when a shard is uneven: FSDP2 pads every rank's parameter and gradient shards to
       one size, but a rank's true shard (what AdamW's state is shaped like) is smaller at the end of a
       dimension that the dp_shard degree does not divide. This is checked on the model's parameter
-      shapes (``job.model``, or ``model``); without a model, shards are taken to be even.
+      shapes (``job.model``, or ``model``); without a model, shards are taken to be even;
+    * and the **ep index** (dp_shard coordinate mod ep) when a mixture of experts' routing loads the ep
+      ranks differently (``symmetric_routing=False``: a measured routing table,
+      ``workbench.prediction.routing``): each ep rank then receives the rows of its own experts.
 
     Everything else gives equal ranks: tp, sp and ep split dimensions that validation requires to be
     divisible, dp_replicate holds copies, and every dp rank trains on a batch of the same shape (the
-    router of a mixture of experts is taken to be balanced).
+    router of a mixture of experts balanced, or skewed the same way as seen from every ep rank).
     """
     if isinstance(job, JobConfig):
         parallel, model = job.parallel, model or job.model
@@ -315,7 +351,13 @@ def distinct_ranks(job: JobConfig | ParallelConfig, model: ModelConfig | None = 
         parallel = job
     coords = parallel.all_rank_coords()                      # (world, 4): pp, dp_replicate, dp_shard, tp
     split_shard = parallel.dp_shard > 1 and (parallel.zero == 1 or _uneven_fsdp_shards(parallel, model))
-    key = coords[:, 0] * parallel.dp_shard + (coords[:, 2] if split_shard else 0)
+    if split_shard:
+        shard = coords[:, 2]
+    elif not symmetric_routing and parallel.ep > 1:
+        shard = coords[:, 2] % parallel.ep                   # expert_meshes: ep index = dp_shard index mod ep
+    else:
+        shard = 0
+    key = coords[:, 0] * parallel.dp_shard + shard
     first: dict[int, int] = {}
     for rank, k in enumerate(key.tolist()):
         first.setdefault(k, rank)

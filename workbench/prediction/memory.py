@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 import torch.distributed as dist
@@ -44,7 +43,7 @@ from workbench.memory.recorder import MemoryRecorder
 from workbench.memory.timeline import MemoryTimeline
 from workbench.units import parse_bytes
 
-__all__ = ["predict", "peak_per_rank", "fits", "FitAnswer"]
+__all__ = ["predict", "peak_per_rank", "reserved_per_rank", "add_reserved", "fits", "FitAnswer", "default_margin"]
 
 
 def _job(job: Any, parallel: Any = None, train: Any = None, nproc: int | None = None, **settings) -> JobConfig:
@@ -67,7 +66,7 @@ def _job(job: Any, parallel: Any = None, train: Any = None, nproc: int | None = 
 def predict(job: JobConfig | str | ModelConfig | dict, *, device: str = "cpu", ranks: list[int] | None = None,
             steps: int | None = None, exact: bool = False, workers: int | None = None, progress: bool = True,
             parallel: ParallelConfig | dict | None = None, train: TrainConfig | dict | None = None,
-            nproc: int | None = None, fold: bool = True, **settings) -> MemoryTimeline:
+            nproc: int | None = None, fold: bool = True, routing: Any = None, **settings) -> MemoryTimeline:
     """The predicted memory timeline of every distinct rank of ``job`` (a JobConfig, or a model name /
     ModelConfig with ``parallel=``, ``train=`` or shortcuts like ``tp=2, micro_batch=4``).
 
@@ -86,13 +85,18 @@ def predict(job: JobConfig | str | ModelConfig | dict, *, device: str = "cpu", r
     look at when the whole schedule matters. ``workers``: processes sharing the distinct ranks (default: up to the
     CPUs this process may use, :func:`usable_cpus`, for models of a billion parameters or more, else 1;
     each worker is a process that imports torch, about 350 MB).
+    ``routing``: a mixture of experts' measured routing (a Run, its directory or events.jsonl, or token counts
+    per layer; :mod:`workbench.prediction.routing`) instead of balanced routing.
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: predict for 'cpu' or 'cuda'")
     job = _job(job, parallel, train, nproc, **settings)
+    from workbench.parallel.checkpointing import ac_policy
     from workbench.prediction.fake import distinct_ranks
+    from workbench.prediction.routing import as_routing
 
-    rank_map = distinct_ranks(job)
+    routing = as_routing(routing, job)
+    rank_map = distinct_ranks(job, symmetric_routing=routing is None or routing.symmetric)
     reps = sorted(set(rank_map.values())) if ranks is None else sorted({rank_map[_check_rank(r, rank_map)]
                                                                          for r in ranks})
     if workers is None:
@@ -100,25 +104,34 @@ def predict(job: JobConfig | str | ModelConfig | dict, *, device: str = "cpu", r
     workers = max(1, min(workers, len(reps)))
     t0 = time.perf_counter()
     if dist.is_initialized() or workers > 1:  # a real group here cannot coexist with the fake one
+        from workbench.prediction.workers import predict_parts
+
         parts = [reps[i::workers] for i in range(workers)]
-        timelines = _predict_in_subprocesses(job, device, parts, steps, exact, fold)
+        timelines = predict_parts(job, device, parts, lambda part: predict_part(job, part, device, steps, exact, fold,
+                                                                                routing),
+                                  steps=steps, exact=exact, fold=fold, routing=routing)
     else:
-        timelines = [_predict_rank(job, r, device, steps, exact, fold) for r in _progress(reps, job, progress)]
+        timelines = [_predict_rank(job, r, device, steps, exact, fold, routing) for r in _progress(reps, job, progress)]
     meta = {"rank_map": {str(k): int(v) for k, v in rank_map.items() if v in reps},
             "model": job.model.name, "layout": job.parallel.describe(), "world_size": job.parallel.world_size,
             "exact": exact, "prediction_s": round(time.perf_counter() - t0, 3),
+            "ac_policy": ac_policy(job.train.activation_checkpointing, job.train.ac_every),
             "job": {"model": job.model.to_dict(), "parallel": job.parallel.to_dict(), "train": job.train.to_dict()}}
     tl = MemoryTimeline.concat(timelines, source="predicted", device=device)
     tl.meta.update(meta)
+    if routing is not None:
+        tl.meta["routing"] = routing.describe()
     folded = _folded(timelines)
     if folded:
         tl.meta["folded"] = folded
     tl.meta.pop("recording_overhead_s", None)
+    if device == "cuda":
+        add_reserved(tl)
     return tl
 
 
 def _predict_rank(job: JobConfig, rank: int, device: str, steps: int | None, exact: bool,
-                  fold: bool = True) -> MemoryTimeline:
+                  fold: bool = True, routing: Any = None) -> MemoryTimeline:
     """One distinct rank: the recorder on top of the fake step (``workbench.prediction.fake``). Unless
     ``exact``, a stage of many identical blocks is simulated with 4 and folded out to all of them
     (``workbench.prediction.fold``); where the fold's checks refuse, every block is simulated."""
@@ -129,8 +142,8 @@ def _predict_rank(job: JobConfig, rank: int, device: str, steps: int | None, exa
 
     # Fake CUDA tensors need a CUDA build and a GPU (autograd's engine and FSDP2 set up streams even for
     # fake tensors). Without one, the step runs on fake CPU tensors and the blocks are counted as CUDA's
-    # caching allocator rounds them; kernels that save different tensors on CUDA than on CPU (attention's
-    # saved statistics) are then the CPU's.
+    # caching allocator rounds them, and the operators CUDA runs differently (attention's backend and
+    # saved statistics, fused AdamW, our Triton embedding backward) run as on CUDA (prediction/cuda_ops.py).
     sim = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
     accumulates = job.parallel.pp > 1 or job.train.grad_accum(job.parallel.dp) > 1
     if steps is None:
@@ -138,22 +151,26 @@ def _predict_rank(job: JobConfig, rank: int, device: str, steps: int | None, exa
     warm = not exact and accumulates and steps == 1
     rec = MemoryRecorder(rank=rank, device=sim, clock="sequence", source="predicted", allocator=device,
                          blocks=plan is not None)
-    run_fake_steps(plan.job if plan else job, rank, device=sim, steps=steps, mode_factory=lambda: rec,
-                   on_built=lambda model, opt: rec.track(model=model, optimizer=opt),
-                   microbatches="all" if exact else "peak", warm_start=warm)
+    from workbench.prediction.routing import routed
+
+    with routed(routing, job, rank):  # a MoE's routing when given (None: balanced)
+        info = run_fake_steps(plan.job if plan else job, rank, device=sim, steps=steps, mode_factory=lambda: rec,
+                              on_built=lambda model, opt: rec.track(model=model, optimizer=opt),
+                              microbatches="all" if exact else "peak", warm_start=warm, target=device)
     meta: dict[str, Any] = {}
     if plan is not None:
         try:
-            folded = fold_rows(rec.events, rec.categories, rec.blocks, plan.simulated, plan.real, rec.round_bytes)
+            folded = fold_rows(rec.events, rec.categories, rec.blocks, plan.simulated, plan.real, rec.round_bytes,
+                               plan.group)
         except FoldError:
-            return _predict_rank(job, rank, device, steps, exact, fold=False)
+            return _predict_rank(job, rank, device, steps, exact, fold=False, routing=routing)
         rec.set_events(folded.rows, folded.categories)
         meta["folded"] = {str(rank): folded.info}
     if device == "cuda":
         workspaces = cublas_workspace_bytes()
         if rec.library_block(workspaces, "cuBLAS workspaces"):
             meta["library_bytes"] = {"cuBLAS workspaces": workspaces}
-    return rec.timeline(steps=steps, simulated_on=sim, warm_start=warm, **meta)
+    return rec.timeline(steps=steps, simulated_on=sim, warm_start=warm, device_model=info.device_model, **meta)
 
 
 def _folded(timelines: list[MemoryTimeline]) -> dict[str, Any]:
@@ -208,16 +225,63 @@ def peak_per_rank(timeline: MemoryTimeline) -> pd.Series:
 # --------------------------------------------------------------------------------------------------
 
 
+CONTEXT_MARGIN = 512 << 20  # the CUDA context, cuDNN/cuBLAS handles and the kernels' modules, outside the allocator
+NCCL_MARGIN = 256 << 20     # per NCCL communicator a rank joins: its channels' buffers and proxy state
+
+
+def nccl_communicators(job: JobConfig) -> int:
+    """The NCCL communicators a rank of ``job`` joins: one per mesh dimension of degree > 1, plus the world's."""
+    p = job.parallel
+    degrees = (p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep)
+    return (p.world_size > 1) + sum(d > 1 for d in degrees)
+
+
+def default_margin(job: JobConfig, device: str) -> int:
+    """Bytes a rank needs beyond what its caching allocator reserves, by default: on CUDA, 512 MiB for the
+    CUDA context (0.3-0.6 GiB with torch 2.x's lazily loaded modules) plus 256 MiB per NCCL communicator
+    (:func:`nccl_communicators`; NCCL's buffers grow with channels and peers: set ``margin=`` from a
+    measurement where it matters); on CPU nothing."""
+    return CONTEXT_MARGIN + NCCL_MARGIN * nccl_communicators(job) if device == "cuda" else 0
+
+
+def _margin_bytes(margin: int | float | str | None, job: JobConfig, device: str) -> int:
+    if margin is None or (isinstance(margin, str) and margin.strip().lower() == "auto"):
+        return default_margin(job, device)
+    if isinstance(margin, (int, float)) and not isinstance(margin, bool) and margin == 0 \
+            or isinstance(margin, str) and margin.strip() in ("0", "0B", "0b"):
+        return 0
+    try:
+        return parse_bytes(margin)
+    except ValueError:
+        raise ValueError(f"margin {margin!r}: write bytes or a size like 1.5GiB, 0, or 'auto' (CUDA context + "
+                         "NCCL defaults)") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class FitAnswer:
-    """Whether a job fits in ``budget_bytes`` per rank, and the largest micro batch that does."""
+    """Whether a job fits in ``budget_bytes`` per rank, and the largest micro batch that does.
+
+    On CUDA the peak compared is the allocator's *reserved* peak (``max_memory_reserved``, from the caching
+    allocator model: :mod:`workbench.memory.allocator`), plus ``margin_bytes`` for what lives outside the
+    allocator (CUDA context, NCCL); on CPU it is the recorder's peak, without margin. ``compared`` names it."""
 
     budget_bytes: int
-    peak_bytes: int  # the job as given, the worst rank
+    peak_bytes: int  # the job as given, the worst rank: the compared peak (reserved on CUDA), margin excluded
     fits: bool
     micro_batch: int | None  # the largest local micro batch that fits (None: not even 1)
     peak_at_micro_batch: int | None
-    tried: dict[int, int]  # micro batch -> predicted worst-rank peak
+    tried: dict[int, int]  # micro batch -> predicted worst-rank peak (the compared one)
+    compared: str = "allocated"  # "reserved" (CUDA) or "allocated" (CPU)
+    margin_bytes: int = 0
+    allocated_bytes: int | None = None  # the job as given: worst-rank allocated peak
+    # CUDA: whether the allocator, replayed with budget - margin as the device's room, runs out (a job over
+    # its reserved peak may still run: at the limit torch frees its cached segments and retries)
+    runs_out: bool | None = None
+
+    @property
+    def needed_bytes(self) -> int:
+        """What the job as given needs per rank: the compared peak plus the margin."""
+        return self.peak_bytes + self.margin_bytes
 
     def __str__(self) -> str:
         from workbench.units import format_bytes
@@ -225,7 +289,18 @@ class FitAnswer:
         verdict = "fits" if self.fits else "does not fit"
         mb = (f"largest micro batch that fits: {self.micro_batch} (peak {format_bytes(self.peak_at_micro_batch)})"
               if self.micro_batch else "no micro batch fits")
-        return f"{verdict} in {format_bytes(self.budget_bytes)}: peak {format_bytes(self.peak_bytes)}; {mb}"
+        if self.compared == "reserved":
+            alloc = f", allocated {format_bytes(self.allocated_bytes)}" if self.allocated_bytes is not None else ""
+            peak = (f"reserved peak {format_bytes(self.peak_bytes)}{alloc}, + {format_bytes(self.margin_bytes)} "
+                    f"margin (CUDA context, NCCL) = {format_bytes(self.needed_bytes)}")
+        else:
+            peak = f"peak {format_bytes(self.peak_bytes)}" + (
+                f" + {format_bytes(self.margin_bytes)} margin" if self.margin_bytes else "")
+        note = ""
+        if self.runs_out is False and not self.fits:
+            note = ("; at this budget the allocator would not run out: it frees its cached segments and retries "
+                    "(slower)")
+        return f"{verdict} in {format_bytes(self.budget_bytes)}: {peak}; {mb}{note}"
 
 
 def _with_micro(job: JobConfig, micro: int) -> JobConfig:
@@ -255,97 +330,192 @@ def _micro_choices(job: JobConfig) -> list[int]:
 
 
 def fits(job: JobConfig | str | ModelConfig | dict, budget: int | float | str, *, device: str = "cpu",
-         progress: bool = False, **settings) -> FitAnswer:
+         progress: bool = False, margin: int | float | str | None = None, timeline: MemoryTimeline | None = None,
+         **settings) -> FitAnswer:
     """Does the job fit in ``budget`` per rank (bytes, or text like ``"80GiB"``), and what is the largest
     micro batch that does? Peak memory grows about linearly with the micro batch, so two predictions
     give the line, and the candidate it points at is checked with a real prediction (and stepped down
-    until one fits)."""
+    until one fits).
+
+    On CUDA the peak is what the caching allocator reserves (:func:`reserved_per_rank`), and ``margin``
+    is added for memory outside it: bytes or text (``"1.5GiB"``, ``0``); default (None or ``"auto"``)
+    :func:`default_margin`, 512 MiB of CUDA context + 256 MiB per NCCL communicator. ``timeline``: this
+    job's prediction for ``device`` when one is at hand (a plan's cached one), so it is not predicted again."""
     job = _job(job, **settings)
     budget_bytes = parse_bytes(budget)
+    margin_bytes = _margin_bytes(margin, job, device)
+    room = budget_bytes - margin_bytes
     tried: dict[int, int] = {}
 
     def peak(m: int) -> int:
         if m not in tried:
-            tl = predict(_with_micro(job, m), device=device, progress=progress)
-            tried[m] = int(peak_per_rank(tl).max())
+            tried[m] = _compared_peak(predict(_with_micro(job, m), device=device, progress=progress), device)
         return tried[m]
 
-    base = predict(job, device=device, progress=progress)
-    job_peak = int(peak_per_rank(base).max())
+    if timeline is not None and timeline.device != device:
+        raise ValueError(f"the timeline given was predicted for {timeline.device}, not {device}; predict it for "
+                         f"{device} or leave timeline= out")
+    base = timeline if timeline is not None else predict(job, device=device, progress=progress)
+    job_peak = _compared_peak(base, device)
+    allocated = int(peak_per_rank(base).max())
+    if device == "cuda":  # max_memory_allocated counts whole blocks (an unsplit remainder too): the model's
+        allocated = max(int(v["peak_allocated"]) for v in base.meta["allocator"]["ranks"].values())
+    compared = "reserved" if device == "cuda" else "allocated"
+
+    def answer(best: int | None) -> FitAnswer:
+        return FitAnswer(budget_bytes, job_peak, job_peak <= room, best, tried.get(best) if best else None,
+                         dict(sorted(tried.items())), compared, margin_bytes, allocated,
+                         _runs_out(base, room) if device == "cuda" else None)
+
     local = job.train.global_batch // job.parallel.dp
     own = local // job.parallel.pp_microbatches if job.parallel.pp > 1 else job.train.local_micro_batch(job.parallel.dp)
     tried[own] = job_peak  # the job as given is one of the sizes: no need to predict it twice
     choices = _micro_choices(job)
     if not choices:
-        return FitAnswer(budget_bytes, job_peak, job_peak <= budget_bytes, None, None, tried)
+        return answer(None)
     lo = choices[0]
     p_lo = peak(lo)
     best = None
-    if p_lo <= budget_bytes:
+    if p_lo <= room:
         if len(choices) == 1:
             best = lo
         else:
             hi = choices[1]
             slope = max(1.0, (peak(hi) - p_lo) / (hi - lo))
-            guess = lo + (budget_bytes - p_lo) / slope
+            guess = lo + (room - p_lo) / slope
             ordered = sorted((m for m in choices if m <= guess), reverse=True) or [lo]
             for m in ordered:
-                if peak(m) <= budget_bytes:
+                if peak(m) <= room:
                     best = m
                     break
             # the line may be pessimistic: try the next size up once
             bigger = [m for m in choices if best is not None and m > best]
-            if bigger and peak(bigger[0]) <= budget_bytes:
+            if bigger and peak(bigger[0]) <= room:
                 best = bigger[0]
-    return FitAnswer(budget_bytes, job_peak, job_peak <= budget_bytes, best,
-                     tried.get(best) if best else None, dict(sorted(tried.items())))
+    return answer(best)
+
+
+def _runs_out(timeline: MemoryTimeline, room: int) -> bool:
+    """Whether any rank's allocator, replayed with ``room`` bytes to reserve, runs out of memory."""
+    from workbench.memory.allocator import AllocatorConfig, replay
+
+    if room <= 0:
+        return True
+    settings = (timeline.meta.get("allocator") or {}).get("settings") or {}
+    config = AllocatorConfig(**settings, capacity=room)
+    frame = timeline.frame
+    per = reserved_per_rank(timeline)
+    for r in timeline.ranks:
+        if int(per[r]) <= room:
+            continue  # its unbounded reserved peak fits: the allocator never reaches the limit
+        ev = frame[frame["rank"] == r]
+        if replay(ev["id"].to_numpy(), ev["delta_bytes"].to_numpy(), config,
+                  base_bytes=timeline.base_bytes.get(r, 0)).oom:
+            return True
+    return False
+
+
+def _compared_peak(timeline: MemoryTimeline, device: str) -> int:
+    """The worst rank's peak that :func:`fits` compares: reserved on CUDA, allocated on CPU."""
+    if device == "cuda":
+        return int(reserved_per_rank(timeline).max())
+    return int(peak_per_rank(timeline).max())
 
 
 # --------------------------------------------------------------------------------------------------
-# In a subprocess (this process already has a real process group)
+# Reserved memory: the caching allocator's segments
 # --------------------------------------------------------------------------------------------------
 
 
-def _predict_in_subprocesses(job: JobConfig, device: str, parts: list[list[int]], steps: int | None,
-                             exact: bool, fold: bool = True) -> list[MemoryTimeline]:
-    """Predict each part of the distinct ranks in its own process, all at once (fake steps are CPU-bound
-    Python; a process with a real process group cannot hold a fake one either)."""
-    with tempfile.TemporaryDirectory(prefix="workbench-predict-") as d:
-        cfg = os.path.join(d, "job.json")
-        with open(cfg, "w") as f:
-            f.write(job.to_json())
-        procs = []
-        for i, part in enumerate(parts):
-            ranks = os.path.join(d, f"ranks{i}")  # a file: thousands of ranks overflow one argument (E2BIG)
-            with open(ranks, "w") as f:
-                f.write(",".join(map(str, part)))
-            cmd = [sys.executable, "-m", "workbench.prediction.memory", cfg, os.path.join(d, f"out{i}"), device,
-                   "" if steps is None else str(steps), "1" if exact else "0", ranks, "1" if fold else "0"]
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
-        failures = []
-        for p in procs:
-            _, err = p.communicate(timeout=3600)
-            if p.returncode != 0:
-                failures.append((err.strip().splitlines() or ["no output"])[-1])
-        if failures:
-            raise RuntimeError(f"memory prediction in a subprocess failed: {failures[0]}")
-        return [MemoryTimeline.load(os.path.join(d, f"out{i}")) for i in range(len(parts))]
+def allocator_config_from_env(capacity: int | None = None) -> tuple[Any, list[str]]:
+    """The allocator settings of ``PYTORCH_CUDA_ALLOC_CONF`` here (what a run started from this shell gets),
+    and the settings in it the model leaves out (they are ignored, and named in the prediction's meta)."""
+    from workbench.memory.allocator import AllocatorConfig
+
+    kw: dict[str, Any] = {}
+    ignored = []
+    for part in (p.strip() for p in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if p.strip()):
+        try:
+            one = AllocatorConfig.parse(part)
+        except ValueError:
+            ignored.append(part)
+            continue
+        key = part.partition(":")[0].strip()
+        name = {"max_split_size_mb": "max_split_size"}.get(key, key)
+        kw[name] = getattr(one, name)
+    return AllocatorConfig(capacity=capacity, **kw), ignored
 
 
-def _main(argv: list[str]) -> int:
-    cfg, out, device, steps, exact, ranks, fold = argv
-    job = JobConfig.load(cfg)
-    with open(ranks) as f:
-        ranks_list = [int(r) for r in f.read().split(",")]
-    timelines = [_predict_rank(job, r, device, int(steps) if steps else None, exact == "1", fold == "1")
-                 for r in ranks_list]
+def add_reserved(timeline: MemoryTimeline, config: Any = None) -> MemoryTimeline:
+    """Replay each rank of a CUDA timeline through the caching allocator model
+    (:mod:`workbench.memory.allocator`) and put what it reserves into ``meta["allocator"]``: per rank the
+    reserved and allocated peaks (torch's ``max_memory_reserved`` / ``max_memory_allocated``),
+    fragmentation, segments, and per step the two peaks, with the steps whose reserved peak exceeds
+    the allocated one by more than 5% flagged (``flagged_steps``; ``flagged_ranks`` at the top).
+    ``config``: an :class:`~workbench.memory.allocator.AllocatorConfig` (default: ``PYTORCH_CUDA_ALLOC_CONF``
+    here). Returns the timeline (changed in place)."""
+    from workbench.memory.allocator import FLAG_OVERHEAD, replay
+
+    ignored: list[str] = []
+    if config is None:
+        config, ignored = allocator_config_from_env()
+    import hashlib
+
+    t0 = time.perf_counter()
+    frame = timeline.frame
+    ranks: dict[str, Any] = {}
+    seen: dict[bytes, dict[str, Any]] = {}  # ranks with the same events (often: one stage's ranks) replay once
+    for r in timeline.ranks:
+        ev = frame[frame["rank"] == r]
+        ids, deltas, step = ev["id"].to_numpy(), ev["delta_bytes"].to_numpy(), ev["step"].to_numpy()
+        base = timeline.base_bytes.get(r, 0)
+        key = hashlib.blake2b(b"".join(np.ascontiguousarray(a).tobytes() for a in (ids, deltas, step))
+                              + str(base).encode(), digest_size=16).digest()
+        if key not in seen:
+            rep = replay(ids, deltas, config, base_bytes=base)
+            steps = rep.by_step(step)
+            seen[key] = {**rep.summary(), "flagged": rep.overhead > FLAG_OVERHEAD,
+                         "flagged_steps": [s["step"] for s in steps if s["flagged"]], "steps": steps}
+        ranks[str(r)] = seen[key]
+    settings = config.to_dict()
+    settings.pop("capacity", None)
+    timeline.meta["allocator"] = {
+        "model": "torch's CUDA caching allocator (workbench.memory.allocator)", "settings": settings,
+        "ignored_settings": ignored, "flag_overhead": FLAG_OVERHEAD,
+        "flagged_ranks": [int(r) for r, v in ranks.items() if v["flagged"] or v["flagged_steps"]],
+        "replay_s": round(time.perf_counter() - t0, 3), "ranks": ranks}
+    return timeline
+
+
+def reserved_per_rank(timeline: MemoryTimeline) -> pd.Series:
+    """Predicted reserved peak (``max_memory_reserved``) of every rank of the job (a CUDA prediction's
+    representatives expanded by its rank_map); a timeline without the allocator's figures gets them first."""
+    if "allocator" not in timeline.meta:
+        add_reserved(timeline)
+    per = timeline.meta["allocator"]["ranks"]
+    peaks = {int(r): int(v["peak_reserved"]) for r, v in per.items()}
+    rank_map = timeline.meta.get("rank_map")
+    if rank_map:
+        peaks = {int(k): peaks[int(v)] for k, v in rank_map.items() if int(v) in peaks}
+    return pd.Series(dict(sorted(peaks.items())), name="reserved_bytes").rename_axis("rank")
+
+
+# --------------------------------------------------------------------------------------------------
+# A part of the distinct ranks (in this process or a worker: workbench.prediction.workers)
+# --------------------------------------------------------------------------------------------------
+
+
+def predict_part(job: JobConfig, ranks: list[int], device: str, steps: int | None, exact: bool, fold: bool = True,
+                 routing: Any = None) -> MemoryTimeline:
+    """The timelines of ``ranks`` (distinct ranks of ``job``) in one MemoryTimeline, their folds in its meta."""
+    timelines = [_predict_rank(job, r, device, steps, exact, fold, routing) for r in ranks]
     tl = MemoryTimeline.concat(timelines, source="predicted", device=device)
     if _folded(timelines):
         tl.meta["folded"] = _folded(timelines)
-    tl.save(out)
-    return 0
+    return tl
 
 
 if __name__ == "__main__":
+    from workbench.prediction.workers import _main
+
     sys.exit(_main(sys.argv[1:]))

@@ -5,6 +5,7 @@ A thin view: every number comes from the timeline (``downsample``, ``phase_spans
 
     view = MemoryTimelineView(measured)                     # or just evaluate the timeline in a notebook
     view = MemoryTimelineView(measured, overlay=predicted)  # the prediction as a dashed total
+    view = MemoryTimelineView(measured, band=predict_band(job))  # a MoE's routing band behind it
     view.select_rank(3); view.select_step(2)                # or the dropdowns
     view.show("ranks")                                      # small multiples: every rank's total
     view.to_html("memory.html")                             # one offline file, plotly.js inlined
@@ -27,6 +28,9 @@ A thin view: every number comes from the timeline (``downsample``, ``phase_spans
   stretched onto the same span of the timeline, so its forward lies over the forward band, its backward
   over the backward band, and its peak in the phase where it happened. Zoomed to a step the prediction
   does not have, its last (steady-state) step is aligned with the shown one.
+* **routing band** (a mixture of experts, :class:`workbench.prediction.routing.MemoryBand`): the area
+  between the predicted total with balanced routing (low) and with the worst-case skew (high), on the step
+  clock, each side aligned by phase as the overlay is. Evaluating a band shows it over its low timeline.
 
 10^6 events stay quick: at most ``max_points`` points per trace (the core keeps each bin's largest
 total, so the peak is never smoothed away) and at most ``max_bands`` bands (the core joins spans).
@@ -48,9 +52,11 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench import palette
+from workbench.display import register_view
 from workbench.memory.clock import PhaseClock, phase_clock
 from workbench.memory.comparison import MemoryComparison, matching_rank, matching_step
 from workbench.memory.timeline import CATEGORIES, PHASES, MemoryTimeline, Peak
+from workbench.prediction.routing import MemoryBand
 from workbench.units import axis_unit, format_bytes
 from workbench.widgets.plotly_view import PlotView
 from workbench.widgets.static import view_bundle
@@ -61,6 +67,7 @@ PHASE_COLORS = dict(palette.PHASE_COLORS)
 OVERLAY_COLOR = palette.OVERLAY_COLOR
 TOTAL_COLOR = palette.TOTAL_COLOR
 TABLE_ROWS = palette.TABLE_ROWS
+BAND_COLOR, BAND_LINE = "rgba(221, 132, 82, 0.25)", "#dd8452"  # the routing band: translucent orange
 assert set(CATEGORY_COLORS) == set(CATEGORIES) and set(PHASE_COLORS) == set(PHASES)
 
 
@@ -72,13 +79,16 @@ class MemoryTimelineView:
     to (None: all), ``mode`` ``"rank"`` or ``"ranks"`` (small multiples). ``x`` is ``"time"`` (each
     timeline's own ``t``), ``"step"`` (the step clock) or ``"auto"`` (step when ``overlay`` comes from a
     different source). ``max_points`` bounds the points of a trace, ``max_bands`` the phase bands,
-    ``max_ranks`` the small multiples (``grid_points`` points each). Drive it from code with
+    ``max_ranks`` the small multiples (``grid_points`` points each). ``band``: a MoE prediction's routing
+    band (:class:`MemoryBand`), drawn as the area from its low to its high total (on the step clock).
+    Drive it from code with
     :meth:`select_rank`, :meth:`select_step` and :meth:`show`; read ``fig``, ``grid_fig``, ``table``.
     """
 
     def __init__(self, timeline: MemoryTimeline, overlay: MemoryTimeline | None = None, *, rank: int | None = None,
                  step: int | None = None, mode: str = "rank", x: str = "auto", max_points: int = 2000,
-                 max_bands: int = palette.MAX_BANDS, max_ranks: int = 16, grid_points: int = 400):
+                 max_bands: int = palette.MAX_BANDS, max_ranks: int = 16, grid_points: int = 400,
+                 band: MemoryBand | None = None):
         if not timeline.ranks:
             raise ValueError("this memory timeline has no ranks; record one with `workbench train ... --memory`")
         if mode not in ("rank", "ranks"):
@@ -88,8 +98,11 @@ class MemoryTimelineView:
         if max_points < 3 or max_bands < 1 or max_ranks < 1:
             raise ValueError(f"max_points={max_points}, max_bands={max_bands}, max_ranks={max_ranks}: "
                              "ask for at least 3 points, 1 band and 1 rank")
-        self.timeline, self.overlay = timeline, overlay
-        self.x = x if x != "auto" else ("step" if overlay is not None and overlay.source != timeline.source
+        if band is not None and x == "time":
+            raise ValueError("x='time' with a routing band: the band is drawn on the step clock; use x='step' or 'auto'")
+        self.timeline, self.overlay, self.band = timeline, overlay, band
+        self.x = x if x != "auto" else ("step" if band is not None or (overlay is not None
+                                                                       and overlay.source != timeline.source)
                                         else "time")
         self.max_points, self.max_bands = max_points, max_bands
         self.max_ranks, self.grid_points = max_ranks, grid_points
@@ -222,43 +235,79 @@ class MemoryTimelineView:
     def _xs(self, tl: MemoryTimeline, rank: int, t: Any) -> np.ndarray:
         return tl.step_progress(rank, t) if self.x == "step" else np.asarray(t, dtype=np.float64)
 
-    def _overlay_line(self, rank: int, points: int) -> tuple[np.ndarray, np.ndarray, int] | None:
-        """x and total bytes of the overlay's rank standing for ``rank`` (at the shown step), and that rank."""
-        if self.overlay is None:
+    def _overlay_line(self, rank: int, points: int, other: MemoryTimeline | None = None,
+                      which: str = "overlay") -> tuple[np.ndarray, np.ndarray, int] | None:
+        """x and total bytes of the overlay's rank standing for ``rank`` (at the shown step), and that rank;
+        ``other``: another timeline drawn the same way (a band's side, named by ``which``)."""
+        other = self.overlay if other is None else other
+        if other is None:
             return None
-        rep = matching_rank(self.overlay, rank)
+        rep = matching_rank(other, rank)
         if rep is None:
             return None
         step = None
         if self._step is not None:
-            step = matching_step(self.overlay, self._step) if self.x == "step" else (
-                self._step if self._step in self.overlay.steps else None)
+            step = matching_step(other, self._step) if self.x == "step" else (
+                self._step if self._step in other.steps else None)
             if step is None:
                 return None
-        ds = self.overlay.downsample(rep, points, step=step)
-        if self.x == "step":  # phase against phase on this timeline's step clock (workbench.memory.clock)
-            x = self._overlay_clock(rank, rep, step)(ds["t"])
+        ds = other.downsample(rep, points, step=step)
+        if other is self.timeline and rep == rank:
+            x = self._xs(other, rep, ds["t"])
+        elif self.x == "step":  # phase against phase on this timeline's step clock (workbench.memory.clock)
+            x = self._overlay_clock(rank, rep, step, other, which)(ds["t"])
         else:
-            x = self._xs(self.overlay, rep, ds["t"])
+            x = self._xs(other, rep, ds["t"])
         return x, ds["total_bytes"].to_numpy(), rep
 
-    def _overlay_clock(self, rank: int, rep: int, step: int | None):
+    def _overlay_clock(self, rank: int, rep: int, step: int | None, other: MemoryTimeline | None = None,
+                       which: str = "overlay"):
         """The overlay's rank ``rep`` on rank ``rank``'s step clock, aligned by phase; zoomed to a step the
         overlay lacks, its steady-state ``step`` is aligned with the shown one."""
         step_map = {step: self._step} if step is not None and step != self._step else None
-        key = (rank, rep, step if step_map else None)
+        key = (which, rank, rep, step if step_map else None)
         if key not in self._clocks:
-            self._clocks[key] = phase_clock(self.timeline, rank, self.overlay, rep, step_map=step_map)
+            self._clocks[key] = phase_clock(self.timeline, rank, self.overlay if other is None else other, rep,
+                                            step_map=step_map)
         return self._clocks[key]
+
+    def _band_polygon(self, rank: int) -> tuple[np.ndarray, np.ndarray, dict] | None:
+        """The routing band of ``rank`` as one closed outline: the high total forward, the low total back
+        (x, bytes), and what it stands for (its ranks' low and high peaks, the capacity factor)."""
+        if self.band is None:
+            return None
+        high = self._overlay_line(rank, self.max_points, self.band.high, "band_high")
+        low = self._overlay_line(rank, self.max_points, self.band.low, "band_low")
+        if high is None or low is None or not len(high[0]) or not len(low[0]):
+            return None
+        (hx, hy, hrep), (lx, ly, lrep) = high, low
+        info = {"role": "band", "rank": lrep, "low_peak": int(self.band.low.peak(lrep).bytes),
+                "high_peak": int(self.band.high.peak(hrep).bytes), "capacity_factor": self.band.capacity_factor}
+        return np.r_[hx, lx[::-1]], np.r_[hy, ly[::-1]], info
+
+    def _band_trace(self, polygon: tuple[np.ndarray, np.ndarray, dict], scale: float) -> go.Scatter:
+        x, y, info = polygon
+        lo, hi, cf = format_bytes(info["low_peak"]), format_bytes(info["high_peak"]), info["capacity_factor"]
+        return go.Scatter(
+            x=x, y=y / scale, mode="lines", fill="toself", fillcolor=BAND_COLOR, line={"width": 0.5, "color": BAND_LINE},
+            name=f"routing band: balanced to capacity factor {cf:g}",
+            hovertemplate=f"routing band: peak {lo} balanced to {hi} skewed (capacity factor {cf:g})<extra></extra>",
+            meta=info)
 
     def _draw_rank(self) -> None:
         tl, rank, step = self.timeline, self._rank, self._step
         ds = tl.downsample(rank, self.max_points, step=step)
         over = self._overlay_line(rank, self.max_points)
         top = max(int(ds["total_bytes"].max()) if len(ds) else 0, int(over[1].max()) if over and len(over[1]) else 0)
+        polygon = self._band_polygon(rank)
+        if polygon is not None:
+            top = max(top, int(polygon[1].max()))
         unit, scale = axis_unit(top)
         x = self._xs(tl, rank, ds["t"])
         traces = []
+        band = self._band_trace(polygon, scale) if polygon is not None else None
+        if band is not None:  # first: behind the categories
+            traces.append(band)
         for cat in CATEGORIES:
             y = ds[cat].to_numpy()
             if not y.any():
@@ -301,7 +350,7 @@ class MemoryTimelineView:
             annotations.append({"x": px, "y": peak["bytes"] / scale, "text": text, "showarrow": True, "arrowhead": 2,
                                 "ax": 40, "ay": -30, "bgcolor": "rgba(255,255,255,0.85)", "font": {"size": 11}})
         if traces:
-            traces[0].legendgrouptitle = {"text": "bytes alive"}
+            traces[1 if band is not None and len(traces) > 1 else 0].legendgrouptitle = {"text": "bytes alive"}
 
         spans = tl.phase_spans(rank, step=step, max_spans=self.max_bands)
         shapes = self._bands(spans, self._xs(tl, rank, spans["t0"]), self._xs(tl, rank, spans["t1"]))
@@ -311,7 +360,8 @@ class MemoryTimelineView:
                            "steps, and left out where phases alternate faster than the plot can show; pick a "
                            "step to see every one")
         title = (f"Rank {rank}" + ("" if step is None else f", step {step}") + f": memory by category "
-                 f"({tl.source}, {tl.device})" + (" vs dashed " + self.overlay.source if over else ""))
+                 f"({tl.source}, {tl.device})" + (" vs dashed " + self.overlay.source if over else "")
+                 + (", shaded: routing band" if band is not None else ""))
         with self.fig.batch_update():
             self.fig.data = ()
             self.fig.add_traces(traces)
@@ -321,7 +371,8 @@ class MemoryTimelineView:
             self.fig.layout.yaxis.title = unit
             self.fig.layout.xaxis.title = self._x_title(tl)
             self.fig.layout.meta = {"rank": rank, "step": step, "peak_bytes": peak and peak["bytes"], "unit": unit,
-                                    "x": self.x, "bands": len(shapes), "points": len(ds)}
+                                    "x": self.x, "bands": len(shapes), "points": len(ds),
+                                    "routing_band": None if band is None else dict(band.meta)}
         self.table.value = self._table_html(rank)
 
     def _bands(self, spans: pd.DataFrame, x0: np.ndarray, x1: np.ndarray) -> list[dict]:
@@ -345,8 +396,10 @@ class MemoryTimelineView:
         rows = math.ceil(len(ranks) / cols)
         lines = {r: tl.downsample(r, self.grid_points, step=step) for r in ranks}
         overs = {r: self._overlay_line(r, self.grid_points) for r in ranks}
+        polygons = {r: self._band_polygon(r) for r in ranks}
         top = max([int(d["total_bytes"].max()) for d in lines.values() if len(d)]
-                  + [int(o[1].max()) for o in overs.values() if o is not None and len(o[1])] + [0])
+                  + [int(o[1].max()) for o in overs.values() if o is not None and len(o[1])]
+                  + [int(b[1].max()) for b in polygons.values() if b is not None] + [0])
         unit, scale = axis_unit(top)
         titles = [f"rank {r}: peak {format_bytes(d['total_bytes'].max() if len(d) else 0)}" for r, d in lines.items()]
         fig = make_subplots(rows=rows, cols=cols, shared_yaxes="all", subplot_titles=titles,
@@ -354,6 +407,10 @@ class MemoryTimelineView:
         for i, r in enumerate(ranks):
             row, col = divmod(i, cols)
             d = lines[r]
+            if polygons[r] is not None:
+                band = self._band_trace(polygons[r], scale)
+                band.showlegend = False
+                fig.add_trace(band, row=row + 1, col=col + 1)
             fig.add_scatter(x=self._xs(tl, r, d["t"]), y=d["total_bytes"].to_numpy() / scale, mode="lines",
                             name=f"rank {r}", line={"width": 1, "color": TOTAL_COLOR}, showlegend=False,
                             hovertemplate=f"rank {r}: %{{y:.3f}} {unit}<extra></extra>",
@@ -481,4 +538,12 @@ class MemoryComparisonView:
         return f"MemoryComparisonView({self.comparison!r})"
 
 
-__all__ = ["MemoryTimelineView", "MemoryComparisonView", "CATEGORY_COLORS", "PHASE_COLORS"]
+def band_view(band: MemoryBand, **kwargs: Any) -> MemoryTimelineView:
+    """A routing band shown: its low (balanced) timeline in detail, the band behind it."""
+    return MemoryTimelineView(band.low, band=band, **kwargs)
+
+
+# Registered here, with the view it uses (workbench/widgets/__init__.py registers the other core types).
+register_view(MemoryBand, band_view)
+
+__all__ = ["MemoryTimelineView", "MemoryComparisonView", "band_view", "CATEGORY_COLORS", "PHASE_COLORS"]
