@@ -169,3 +169,23 @@ def test_worker_processes_predict_what_one_process_predicts():
             a, b = one.rank(r).frame, tl.rank(r).frame
             for c in COLUMNS:
                 assert (a[c].astype(str).to_numpy() == b[c].astype(str).to_numpy()).all(), (r, c)
+
+
+def test_worker_processes_replay_the_allocator_as_one_process_does():
+    """Issue 32: each part of the distinct ranks replays its own timelines through the caching allocator
+    model (in its worker, beside the others) instead of this process replaying every rank after the
+    workers finish; the figures are the same. The parts are balanced by the microbatches each rank's
+    shortened step runs (1F1B: one more on stage 0) and its pipeline stage, the lightest one kept here."""
+    from workbench.prediction.memory import _split
+
+    settings = dict(nproc=4, pp=4, dp_shard=1, pp_schedule="1F1B", microbatches=8,
+                    train=dict(global_batch=8, seq_len=32, steps=2))
+    # work: 2 per microbatch (5 on stage 0, else 4), 1 for the first stage and 1 for the last
+    assert _split(_job(_model(8), **settings), [0, 1, 2, 3], 2, exact=False) == [[1, 3], [0, 2]]
+    assert _split(_job(_model(8), **settings), [0, 1, 2, 3], 2, exact=True) == [[0, 1], [2, 3]]  # 8 microbatches
+    assert _split(_job(_model(8), **settings), [0, 1, 2, 3], 3, exact=False) == [[3], [0], [1, 2]]
+    one = predict(_model(8), device="cuda", progress=False, workers=1, **settings)
+    two = predict(_model(8), device="cuda", progress=False, workers=2, **settings)
+    a, b = dict(one.meta["allocator"]), dict(two.meta["allocator"])
+    assert a.pop("replay_s") >= 0 and b.pop("replay_s") >= 0
+    assert list(a["ranks"]) == ["0", "1", "2", "3"] and a == b

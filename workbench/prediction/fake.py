@@ -147,7 +147,7 @@ def run_fake_steps(job: JobConfig, rank: int, *, device: str | torch.device = "c
                          "run it for device='cpu' here, or on a machine with a GPU")
     full = job
     if microbatches == "peak":
-        job = same_peak_job(job)
+        job = same_peak_job(job, rank)
     from workbench.memory.marks import phase, set_step
     from workbench.mesh import dp_rank
     from workbench.parallel.build import build_stages
@@ -164,7 +164,8 @@ def run_fake_steps(job: JobConfig, rank: int, *, device: str | torch.device = "c
     p, r, s, t = pcfg.rank_coords(rank)
     info = None
     with fake_rank(world, rank, device, pcfg) as fr, _spmd_rules(tcfg.spmd_rules):
-        with mode_factory() if mode_factory is not None else nullcontext(), cuda_ops or nullcontext():
+        mode = mode_factory() if mode_factory is not None else None
+        with mode if mode is not None else nullcontext(), cuda_ops or nullcontext():
             t0 = time.perf_counter()
             with phase("build"):
                 stages = build_stages(mcfg, pcfg, tcfg, fr.mesh, device, pp_rank=p)
@@ -198,6 +199,8 @@ def run_fake_steps(job: JobConfig, rank: int, *, device: str | torch.device = "c
                 set_step(-1)
             if step_fn.pipe is not None:
                 info.actions = step_fn.pipe.actions()
+                if hasattr(mode, "label"):  # a recorder: the held copies are receive buffers, as in the full step
+                    mode.label(_held_recv_buffers(step_fn.pipe.stages, pcfg.pp_microbatches), "communication")
     info.device_model = {**device_model, **(cuda_ops.summary() if cuda_ops is not None else {})}
     if cuda_ops is not None:
         info.device_model["optimizer"] = tcfg.optim_impl
@@ -219,6 +222,20 @@ def _device_model(job: JobConfig, device: torch.device, target: str | None):
     return CudaOps(CudaTarget(kernels=job.train.kernels)), model
 
 
+def _held_recv_buffers(stages, ran: int) -> list[torch.Tensor]:
+    """The receive buffers ``stages`` hold for the microbatches a shortened step did not run (from ``ran`` on;
+    :func:`workbench.parallel.pipeline.hold_recv_buffers_for`). Never handed to a receive, a recorder
+    would count them as temporaries, where the full step's receives make them communication buffers."""
+    out = []
+    for stage in stages:
+        for table in (getattr(stage, "args_recv_info", None) or {}, getattr(stage, "grad_recv_info", None) or {}):
+            for i, infos in table.items():
+                if isinstance(i, int) and i >= ran:
+                    out += [b for info in infos if not getattr(info, "is_root_arg", False)
+                            and isinstance(b := getattr(info, "buffer", None), torch.Tensor)]
+    return out
+
+
 def _make_optimizer_state(step_fn) -> None:
     """One optimizer step on zero gradients: the optimizer state exists afterwards, as after a first
     step. Its peak (parameters, gradients, state, the update's temporaries) is the optimizer phase's."""
@@ -231,8 +248,9 @@ def _make_optimizer_state(step_fn) -> None:
         step_fn.optimizer.zero_grad(set_to_none=True)
 
 
-def same_peak_job(job: JobConfig) -> JobConfig:
-    """``job`` with the fewest micro-batches per step that reach the same memory peak on every rank.
+def same_peak_job(job: JobConfig, rank: int | None = None) -> JobConfig:
+    """``job`` with the fewest micro-batches per step that reach the same memory peak on every rank, or,
+    given ``rank``, on that rank (its pipeline stage may need fewer).
 
     A fake step costs time per micro-batch, not per byte, and a step's memory repeats from one
     micro-batch to the next once the schedule is in its steady state, so a shorter step with
@@ -242,7 +260,9 @@ def same_peak_job(job: JobConfig) -> JobConfig:
         gradient accumulation (pp = 1)   2 micro-batches: the first makes the gradients, the last also
                                          syncs them; any between repeats the last without its sync
         1F1B                             pp + 1 microbatches: stage s holds pp - s in flight, and its
-                                         second backward (the first with gradients) comes after a forward
+                                         second backward (the first with gradients) comes after a forward,
+                                         which takes pp - s + 1; so pp on stages s > 0 (given ``rank``;
+                                         torch's 1F1B refuses fewer than pp)
         Interleaved1F1B                  3 pp (when microbatches is a multiple of pp): its warm-up is
                                          (v - 1) pp + 2 (pp - 1 - rank) forwards for any larger number
         GPipe, GPipeLean                 unchanged: every forward is held until the backwards start
@@ -259,7 +279,9 @@ def same_peak_job(job: JobConfig) -> JobConfig:
     dp = pcfg.dp
     if pcfg.pp > 1:
         m, pp = pcfg.pp_microbatches, pcfg.pp
-        keep = {"1F1B": pp + 1, "Interleaved1F1B": 3 * pp if m % pp == 0 else m}.get(pcfg.pp_schedule, m)
+        stage = pcfg.rank_coords(rank)[0] if rank is not None else 0
+        keep = {"1F1B": pp + 1 if stage == 0 else pp,
+                "Interleaved1F1B": 3 * pp if m % pp == 0 else m}.get(pcfg.pp_schedule, m)
         if keep >= m:
             return job
         per_mb = tcfg.global_batch // dp // m
