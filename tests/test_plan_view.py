@@ -334,3 +334,19 @@ def test_predict_with_a_budget_draws_the_line_and_the_largest_micro_batch_that_f
     assert view.fit is fit
     roles = [(t.meta or {}).get("role") for t in view.bytes_fig.data]
     assert roles.count("predicted") == 1 and roles.count("budget") == 1
+
+
+def test_a_cuda_prediction_draws_the_reserved_peak_beside_the_allocated_one():
+    """What fits() compares on CUDA is the caching allocator's reserve: the view draws it per rank, and a CPU
+    prediction (no allocator) draws none."""
+    plan = workbench.plan("tiny", ParallelConfig(pp=2, dp_shard=2))  # 4 ranks, 2 distinct
+    view = ShardingPlanView(plan)
+    view.predict(device="cuda")
+    timeline = plan.predict_memory("cuda")
+    (line,) = [t for t in view.bytes_fig.data if (t.meta or {}).get("role") == "reserved"]
+    want = [timeline.reserved_peak(int(timeline.meta["rank_map"][str(r)])) for r in range(4)]
+    assert list(line.x) == [0, 1, 2, 3] and np.allclose(np.asarray(line.y) * 2**20, want)
+    (alloc,) = [t for t in view.bytes_fig.data if (t.meta or {}).get("role") == "predicted"]
+    assert (np.asarray(line.y) >= np.asarray(alloc.y)).all()  # the allocator reserves at least what it hands out
+    view.predict(device="cpu")
+    assert not [t for t in view.bytes_fig.data if (t.meta or {}).get("role") == "reserved"]

@@ -346,9 +346,20 @@ class ShardingPlanView(MeshPanel):
             type="scatter", x=[-0.5, self.world_size - 0.5], y=[budget_bytes / scale] * 2, mode="lines",
             name=f"budget {format_bytes(budget_bytes)}", line={"color": BUDGET_COLOR, "dash": "dash", "width": 2},
             hovertemplate=f"budget {format_bytes(budget_bytes)}<extra></extra>", meta={"role": "budget"})]
+        # A CUDA prediction also knows what the caching allocator reserves (what fits() compares with the
+        # budget, with the margin): drawn dashed beside the allocated peak.
+        rank_map = timeline.meta.get("rank_map") or {}
+        held = [timeline.reserved_peak(int(rank_map.get(str(r), r))) for r in ranks.tolist()]
+        reserved = [] if not held or None in held else [dict(
+            type="scatter", x=ranks.tolist(), y=[b / scale for b in held],
+            mode="lines+markers" if self.world_size <= 64 else "lines",
+            line={"shape": "hvh", "width": 2, "color": PREDICTED_COLOR, "dash": "dot"}, marker={"size": 5},
+            name="predicted reserved (caching allocator)", customdata=[format_bytes(b) for b in held],
+            hovertemplate="rank %{x}<br>predicted reserved: %{customdata}<extra></extra>",
+            meta={"role": "reserved", "device": device})]
         with self.bytes_fig.batch_update():
             self.bytes_fig.data = [t for t in self.bytes_fig.data
-                                   if (t.meta or {}).get("role") not in ("predicted", "budget")]
+                                   if (t.meta or {}).get("role") not in ("predicted", "reserved", "budget")]
             self.bytes_fig.add_traces([dict(
                 type="scatter", x=ranks.tolist(), y=(peaks.to_numpy() / scale).tolist(),
                 mode="lines+markers" if self.world_size <= 64 else "lines", line={"shape": "hvh", "width": 2,
@@ -356,7 +367,7 @@ class ShardingPlanView(MeshPanel):
                 marker={"size": 6}, name=f"predicted peak ({device}, activations included)",
                 customdata=[format_bytes(b) for b in peaks.tolist()],
                 hovertemplate="rank %{x}<br>predicted peak: %{customdata}<extra></extra>",
-                meta={"role": "predicted", "device": device}), *budget])
+                meta={"role": "predicted", "device": device}), *reserved, *budget])
         # Each distinct rank's peak, stacked by category; the ranks it stands for in its label.
         table = timeline.peaks()
         stands_for: dict[int, list[int]] = {}
