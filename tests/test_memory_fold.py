@@ -155,8 +155,9 @@ def test_worker_processes_predict_what_one_process_predicts():
     settings = dict(nproc=2, pp=2, dp_shard=1, pp_schedule="1F1B", microbatches=4,
                     train=dict(global_batch=8, seq_len=32, steps=2))
     one = predict(_model(7), progress=False, workers=1, **settings)
+    # forked where this process may fork (no other thread running); in a suite where an earlier test left a
+    # thread alive it is a fresh interpreter, and the claim below holds for it the same
     forked = predict(_model(7), progress=False, workers=2, **settings)
-    assert can_fork()
     spawned = {}
     thread = threading.Thread(target=lambda: spawned.update(fork=can_fork(), tl=predict(_model(7), progress=False,
                                                                                       workers=2, **settings)))
