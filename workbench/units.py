@@ -60,3 +60,13 @@ def parse_bytes(value: int | float | str) -> int:
     if n is None or unit not in _UNITS or n <= 0:
         raise ValueError(f"memory budget {value!r}: write bytes or a size like 80GiB, 24GB, 512MiB")
     return int(n * _UNITS[unit])
+
+
+def check_margin(value: str) -> None:
+    """A ``--margin`` flag's value: a size (``1.5GiB``), ``0`` or ``auto``; else a one-line ValueError."""
+    if value.strip().lower() in ("auto", "0", "0b"):
+        return
+    try:
+        parse_bytes(value)
+    except ValueError:
+        raise ValueError(f"--margin {value!r}: write a size like 1.5GiB or 512MiB, 0, or auto") from None

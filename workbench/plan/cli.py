@@ -77,17 +77,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     device = args.memory_device or ("cuda" if args.memory_budget is not None else None)
     fit = None
     if device is not None:
-        from workbench.units import parse_bytes
+        from workbench.units import check_margin, parse_bytes
 
         try:  # the bar goes to stderr: a --json document on stdout stays clean
             if args.memory_budget is not None:
                 parse_bytes(args.memory_budget)  # a typo fails before seconds of prediction
-                if args.memory_margin.strip().lower() not in ("auto", "0", "0b"):
-                    try:
-                        parse_bytes(args.memory_margin)
-                    except ValueError:
-                        raise ValueError(f"--margin {args.memory_margin!r}: write a size like 1.5GiB or 512MiB, "
-                                         "0, or auto") from None
+                check_margin(args.memory_margin)
             result.predict_memory(device, progress=not args.json)
             if args.memory_budget is not None:
                 fit = result.fits(args.memory_budget, device=device, progress=not args.json,

@@ -128,13 +128,13 @@ def cmd_record(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from workbench.prediction.memory import fits, peak_per_rank, predict, reserved_per_rank
 
-    from workbench.units import parse_bytes
+    from workbench.units import check_margin, parse_bytes
 
     try:
         settings = dict(parallel=from_args(args, "parallel"), train=from_args(args, "train"), nproc=args.nproc)
         if args.budget:
             parse_bytes(args.budget)  # a typo fails before the prediction's seconds of work
-        _check_margin(args.margin)
+        check_margin(args.margin)
         skew = _band_skew(args, settings)  # MoE: the band's capacity factor (None: no band)
         tl = predict(args.model, device=args.device, progress=not args.json, routing=args.routing, **settings)
         band = _band(args, tl, skew, settings)
@@ -371,17 +371,6 @@ def _print_band(band) -> None:
     print()
     print(f"routing band (balanced to capacity factor {band.capacity_factor:g}): peak "
           f"{format_bytes(int(p['low_peak'].max()))} to {format_bytes(int(p['high_peak'].max()))}")
-
-
-def _check_margin(value: str) -> None:
-    from workbench.units import parse_bytes
-
-    if value.strip().lower() in ("auto", "0", "0b"):
-        return
-    try:
-        parse_bytes(value)
-    except ValueError:
-        raise ValueError(f"--margin {value!r}: write a size like 1.5GiB or 512MiB, 0, or auto") from None
 
 
 def _ranges(ranks: list[int]) -> str:
