@@ -310,14 +310,31 @@ def combo_str(combo: tuple) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+# Every combination ends with the ranks agreeing, through the TCP store (never a collective), on how it went.
+# A combination that raises on some ranks before a collective and on others after it (torch's rules on an
+# uneven shard) leaves the group's collectives paired off by one: a later combination then waits for good (a
+# functional collective's wait ignores the process group's timeout), or the last barrier times out on whichever
+# rank finished first. So each rank reports its outcome and how many collectives it issued; when they differ,
+# or a collective timed out, or a rank does not report within AGREE_S, the combination fails with the reason
+# and the ranks are replaced; the run resumes after it. Rank 0 can spend up to the process group's timeout in a
+# collective and AGREE_S waiting for the others before it writes a row: the parent's stall clock (``check``) is
+# longer than both, and the other ranks wait longer still for rank 0's verdict.
+PG_TIMEOUT_S = 60
+AGREE_S = 30
+STALL_S = 120.0
+VERDICT_S = 180
+
+
 def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=spec["pg_timeout_s"]))
+    # The store outlives every collective: it is how the ranks agree after each combination.
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=VERDICT_S + 30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=spec["pg_timeout_s"]))
     import workbench.spmd as spmd
 
     torch.manual_seed(0)
@@ -335,6 +352,7 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
         sink.write(json.dumps({"ready": True}) + "\n")
         sink.flush()
     rule_sets = ("torch", "ours") if spec.get("rules", "ours") == "both" else (spec.get("rules", "ours"),)
+    agreed = True
     for k, rules in enumerate(rule_sets):
         first = spec.get("start", 0) - k * len(steps)  # a resumed run (after a hang) skips what is done
         if first >= len(steps):
@@ -343,35 +361,100 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
             spmd.install()
         else:
             spmd.uninstall()
-        _walk(steps[max(first, 0):], meshes, spec, sink)
+        agreed = _walk(steps[max(first, 0):], k * len(steps) + max(first, 0), meshes, spec, sink, store, rank, world)
+        if not agreed:
+            break
     if sink is not None:
-        sink.write(json.dumps({"done": True}) + "\n")
+        sink.write(json.dumps({"done": True} if agreed else {"replace": True}) + "\n")
         sink.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    if rank == 0:  # the store lives in rank 0: it stays until every rank has read its last verdict
+        try:
+            store.wait([f"bye/{r}" for r in range(1, world)], timedelta(seconds=30))
+        except Exception:  # a rank stuck in a collective never says goodbye; it is killed by the parent
+            pass
+    else:
+        store.set(f"bye/{rank}", "1")
+    if agreed:
+        dist.destroy_process_group()
 
 
-def _walk(steps: list, meshes: dict, spec: dict, sink) -> None:
+def _outcome(error: BaseException | None, collectives: int) -> str:
+    """What a rank reports of one combination: ``ok`` or the exception's type, and the collectives it issued;
+    ``timeout:`` first when a collective timed out (the group is out of step even when every rank says the
+    same)."""
+    if error is None:
+        return f"ok after {collectives} collectives"
+    text = str(error).lower()
+    return ("timeout:" if "timed out" in text or "timeout" in text else "") + \
+        f"{type(error).__name__} after {collectives} collectives"
+
+
+def _agree(store, index: int, rank: int, world: int, outcome: str) -> tuple[bool, str]:
+    """Report this rank's outcome of combination ``index`` and wait for rank 0's verdict:
+    (True, "") when the group may go on, (False, why) when it must be replaced."""
+    from datetime import timedelta
+
+    store.set(f"c{index}/r{rank}", outcome)
+    if rank == 0:
+        keys = [f"c{index}/r{r}" for r in range(world)]
+        try:
+            store.wait(keys, timedelta(seconds=AGREE_S))
+            said = [store.get(k).decode() for k in keys]
+        except Exception:  # the store's timeout: some rank is still inside a collective
+            said = []
+            for r, k in enumerate(keys):
+                said.append(store.get(k).decode() if store.check([k]) else "no answer")
+        if len(set(said)) == 1 and not said[0].startswith("timeout:"):
+            store.set(f"c{index}/verdict", "go")
+            return True, ""
+        why = "the ranks fell out of step (" + ", ".join(f"rank {r}: {s}" for r, s in enumerate(said)) + \
+              "); they were replaced"
+        store.set(f"c{index}/verdict", why)
+        return False, why
+    try:
+        store.wait([f"c{index}/verdict"], timedelta(seconds=VERDICT_S))
+        verdict = store.get(f"c{index}/verdict").decode()
+    except Exception:  # rank 0 is gone or stuck: the parent replaces every rank
+        return False, "no verdict from rank 0"
+    return verdict == "go", verdict
+
+
+def _walk(steps: list, index: int, meshes: dict, spec: dict, sink, store, rank: int, world: int) -> bool:
+    """Run ``steps`` (``index`` is the first one's place in the whole plan); False when the ranks fell out
+    of step and must be replaced (rank 0 has then written a ``{"replace_after": index}`` line)."""
     import workbench.spmd as spmd
+    from workbench.spmd.comm import CommBytesMode
 
     refs: dict[str, dict] = {}
-    for case, m, combo in steps:
+    for i, (case, m, combo) in enumerate(steps):
         t0 = time.perf_counter()
+        error = None
+        issued = CommBytesMode()  # every collective this rank issues, those of a combination that raises too
         try:
             if case.name not in refs:
                 refs.clear()  # the plan is grouped by case: keep one reference alive
                 refs[case.name] = dense_reference(case, spec["seed"])
-            res = run_combo(case, meshes[m], combo, spec["seed"], refs[case.name])
+            with issued:
+                res = run_combo(case, meshes[m], combo, spec["seed"], refs[case.name])
         except Exception as e:  # a rule that raises is a failed case, not a crashed run
+            error = e
             first = (str(e).strip().splitlines() or [""])[0][:300]
             res = {"ok": False, "max_err": float("inf"), "fwd_bytes": None, "bwd_bytes": None, "comm_bytes": None,
                    "bytes_by_kind": {}, "out_placements": None, "error": f"{type(e).__name__}: {first}"}
+        agreed, why = _agree(store, index + i, rank, world, _outcome(error, len(issued.records)))
+        if not agreed:
+            res = dict(res, ok=False, error=(res["error"] + "; " if res["error"] else "") + why)
         if sink is not None:
             row = {"case": case.name, "family": case.family, "ops": [str(o) for o in case.ops],
                    "mesh": m, "placements": combo_str(combo), **res,
                    "rules": "ours" if spmd.installed() else "torch", "time_s": round(time.perf_counter() - t0, 4)}
             sink.write(json.dumps(row) + "\n")
+            if not agreed:
+                sink.write(json.dumps({"replace_after": index + i}) + "\n")
             sink.flush()
+        if not agreed:
+            return False
+    return True
 
 
 def _free_port() -> int:
@@ -531,12 +614,13 @@ def check(family: str | None = None, names: list[str] | None = None, *, cap: int
     rule_sets = ("torch", "ours") if rules == "both" else (rules,)
     total = len(steps) * len(rule_sets)
     spec = {"family": family, "names": names, "cap": cap, "meshes": list(meshes), "seed": seed,
-            "pg_timeout_s": 60, "rules": rules, "source": source, "start": 0,
+            "pg_timeout_s": PG_TIMEOUT_S, "rules": rules, "source": source, "start": 0,
             "opinfo": [[p.opinfo, p.index, list(p.ops)] for p in picks] if picks is not None else None}
     # torch's samples find combinations where a rank hangs in a collective for good (torch's rules, group_norm's
     # backward on an uneven shard): with no new row for stall_s, the ranks are replaced and the run resumes
     # after that combination, which counts as failed. Our registry keeps the old contract (a hang is an error).
-    stall_s = 90.0 if source == "opinfo" else None
+    # Ranks that fall out of step without hanging say so themselves (_agree) and are replaced the same way.
+    stall_s = STALL_S if source == "opinfo" else None
     t0 = time.monotonic()
     rows: list[dict] = []
     bar = None
@@ -548,8 +632,12 @@ def check(family: str | None = None, names: list[str] | None = None, *, cap: int
         with tempfile.TemporaryDirectory(prefix="wb-spmd-check-") as tmp:
             attempt = 0
             while True:
-                got, hung = _run_ranks(Path(tmp), attempt, spec, t0, timeout, stall_s, total, bar)
+                got, hung, resume = _run_ranks(Path(tmp), attempt, spec, t0, timeout, stall_s, total, bar)
                 rows += got
+                if resume is not None:  # the ranks fell out of step: that combination's row says why
+                    spec = dict(spec, start=resume)
+                    attempt += 1
+                    continue
                 if hung is None:
                     break
                 case, m, combo = steps[hung % len(steps)]
@@ -572,9 +660,10 @@ def check(family: str | None = None, names: list[str] | None = None, *, cap: int
 
 
 def _run_ranks(tmp: Path, attempt: int, spec: dict, t0: float, timeout: float, stall_s: float | None, total: int,
-               bar) -> tuple[list[dict], int | None]:
-    """Run the plan from ``spec["start"]`` in 4 fresh ranks: (rows, None), or (rows so far, index of the
-    step that made no progress for ``stall_s``)."""
+               bar) -> tuple[list[dict], int | None, int | None]:
+    """Run the plan from ``spec["start"]`` in 4 fresh ranks: (rows, None, None); (rows so far, index of the
+    step that made no progress for ``stall_s``, None); or (rows so far, None, the index to resume from) when
+    the ranks fell out of step."""
     out = tmp / f"rows{attempt}.jsonl"
     spec_path = tmp / f"spec{attempt}.json"  # a file: the OpInfo picks outgrow a command line
     spec_path.write_text(json.dumps(spec))
@@ -591,16 +680,19 @@ def _run_ranks(tmp: Path, attempt: int, spec: dict, t0: float, timeout: float, s
                "from workbench.lifeline import exit_now; exit_now(0)",
                str(r), str(WORLD), str(port), str(out), str(spec_path)]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-    done, hung = 0, None
+    done, hung, resume = 0, None, None
     last_progress = time.monotonic()
     try:
         while True:
+            resume = _resume_after(out)
             n = _count_rows(out)
             if n > done:
                 if bar is not None:
                     bar.update(n - done)
                 last_progress = time.monotonic()
             done = n
+            if resume is not None:
+                break
             codes = [p.poll() for p in procs]
             if any(c not in (None, 0) for c in codes):
                 r = next(i for i, c in enumerate(codes) if c not in (None, 0))
@@ -632,7 +724,19 @@ def _run_ranks(tmp: Path, attempt: int, spec: dict, t0: float, timeout: float, s
             log.close()
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith('{"case"')] \
         if out.exists() else []
-    return rows, hung
+    return rows, hung, resume
+
+
+def _resume_after(path: Path) -> int | None:
+    """The index after the combination the ranks fell out of step on (rank 0's ``replace_after`` line)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith('{"replace_after"'):
+                    return int(json.loads(line)["replace_after"]) + 1
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 _READY: dict[str, float] = {}
