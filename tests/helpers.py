@@ -62,3 +62,29 @@ def rank0_metrics(run):
     """Rank 0's metrics of ``run``, indexed by step."""
     df = run.metrics
     return df[df["rank"] == 0].set_index("step")
+
+
+def spawn_ranks(target, args_of, results: list, timeout: float) -> list[dict]:
+    """Run ``target(*args_of(r))`` for every rank in its own spawned process (real process groups), wait at
+    most ``timeout`` seconds for all of them (then kill what is left: a hang fails fast), and return each
+    rank's JSON result file, asserting every rank wrote one with ``"ok": true`` (its traceback otherwise)."""
+    import json
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args_of(r)) for r in range(len(results))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    out = []
+    for r, path in enumerate(results):
+        assert path.exists(), f"rank {r} died without a result (exit {procs[r].exitcode})"
+        res = json.loads(path.read_text())
+        assert res["ok"], f"rank {r}:\n{res['traceback']}"
+        out.append(res)
+    return out

@@ -13,13 +13,13 @@ import copy
 import dataclasses
 import json
 import math
-import multiprocessing as mp
 import subprocess
 import traceback
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import spawn_ranks  # tests/helpers.py
 
 import workbench
 from workbench.config import PRESETS, ModelConfig, ParallelConfig, validate
@@ -272,22 +272,8 @@ def _ep_worker(rank: int, case: str, store_path: str, result_path: str) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["skewed", "rank0-local", "random"])
 def test_apply_ep_matches_single_process(case, tmp_path):
-    ctx = mp.get_context("spawn")
     results = [tmp_path / f"rank{r}.json" for r in range(EP)]
-    procs = [ctx.Process(target=_ep_worker, args=(r, case, str(tmp_path / "store"), str(results[r])))
-             for r in range(EP)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    for r, path in enumerate(results):
-        assert path.exists(), f"rank {r} died without a result (exit {procs[r].exitcode})"
-        res = json.loads(path.read_text())
-        assert res["ok"], f"rank {r}:\n{res['traceback']}"
+    spawn_ranks(_ep_worker, lambda r: (r, case, str(tmp_path / "store"), str(results[r])), results, 90)
     counts = [json.loads(p.read_text())["local_counts"] for p in results]
     if case == "skewed":
         assert counts == [[TOKENS, TOKENS, 0, 0]] * 2
@@ -301,6 +287,7 @@ def test_apply_ep_matches_single_process(case, tmp_path):
 
 STEPS, SEED = 5, 7
 from parity import assert_matches_reference  # noqa: E402 - tests/parity.py
+
 TIMEOUT_S = 240
 
 LAYOUTS = {

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import traceback
@@ -18,6 +17,7 @@ import traceback
 import numpy as np
 import pytest
 import torch
+from helpers import spawn_ranks  # tests/helpers.py
 
 import workbench
 from workbench.config import ParallelConfig
@@ -86,23 +86,8 @@ def _a2a_worker(rank: int, store: str, result: str) -> None:
 @pytest.mark.multirank
 @pytest.mark.timeout(90)
 def test_skewed_splits_agree_across_a_real_gloo_all_to_all(tmp_path):
-    ctx = mp.get_context("spawn")
     results = [tmp_path / f"rank{r}.json" for r in range(EP)]
-    procs = [ctx.Process(target=_a2a_worker, args=(r, str(tmp_path / "store"), str(results[r]))) for r in range(EP)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    out = []
-    for r, path in enumerate(results):
-        assert path.exists(), f"rank {r} died without a result (exit {procs[r].exitcode})"
-        res = json.loads(path.read_text())
-        assert res["ok"], f"rank {r}:\n{res['traceback']}"
-        out.append(res)
+    out = spawn_ranks(_a2a_worker, lambda r: (r, str(tmp_path / "store"), str(results[r])), results, 60)
     assert out[0]["split"] == out[1]["split"] == [12, 7, 5, 0]  # 24 slots by 250:150:100:12
     # skewed: rank 0 holds the busy experts 0 and 1; rank 1's expert 3 runs no rows at all
     assert [o["recv"] for o in out] == [[19, 19], [5, 5]] and [o["rows"] for o in out] == [[24, 14], [10, 0]]
