@@ -186,6 +186,28 @@ def test_bench_memory_quick_prints_prediction_errors_and_import_cost(repo):
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_bench_time_quick_prints_measured_against_predicted_step_times(repo):
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "bench_time.py"), "--quick", "--preset", "tiny",
+         "--layouts", "fsdp4,tp4", "--steps", "3", "--warmup", "1", "--no-advisor", "--no-anchors"],
+        capture_output=True, text=True, timeout=580, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)  # stdout is exactly one JSON document; progress went to stderr
+    assert doc["benchmark"] == "bench_time" and doc["baseline"] == "measured" and doc["nproc"] == 4
+    assert doc["calibration"]["matmul_flops"]["fp32"] > 0 and doc["calibration"]["links"]["intra"]["bytes_per_s"] > 0
+    assert list(doc["layouts"]) == ["fsdp4", "tp4"]
+    for r in doc["layouts"].values():
+        assert r["measured_s"] > 0 and r["predicted_s"] > 0 and len(r["measured_steps_s"]) == 2
+        assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
+        assert r["error"] == pytest.approx(r["ratio"] - 1)
+    errors = [abs(r["error"]) for r in doc["layouts"].values()]
+    assert doc["median_abs_error"] == pytest.approx(sum(errors) / 2) and doc["max_abs_error"] == max(errors)
+    assert abs(doc["spearman"]) == pytest.approx(1.0)  # two layouts: their orders agree or not
+    assert doc["best_measured"] in doc["layouts"]
+
+
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_bench_gpu_train_skips_without_a_gpu_and_checks_its_plumbing_on_cpu(repo):
     import torch

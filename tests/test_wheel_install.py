@@ -78,6 +78,8 @@ def test_the_wheel_carries_the_prebuilt_extension_and_no_node_is_reachable(fresh
     assert any(n.endswith(f"share/jupyter/labextensions/{EXTENSION}/package.json") for n in data), data
     assert any(f"labextensions/{EXTENSION}/static/remoteEntry." in n for n in data), data
     assert any(n.endswith("etc/jupyter/jupyter_server_config.d/parallel_workbench.json") for n in data), data
+    # the device profiles time predictions read (workbench.time.devices)
+    assert {f"workbench/time/profiles/{p}.json" for p in ("H100-SXM", "H200", "A100-SXM-80GB")} <= set(names)
     assert shutil.which("node", path=fresh["env"]["PATH"]) is None
     assert shutil.which("npm", path=fresh["env"]["PATH"]) is None
     where = _run(fresh, "-c", "import workbench, workbench.jupyter; print(workbench.__file__)")

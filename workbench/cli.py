@@ -206,9 +206,10 @@ class _Parser(argparse.ArgumentParser):
 # parser imports them all, so none may import torch, pandas or Triton before its handler runs (help and
 # --version stay fast; tests/test_imports.py). spmd's and kernels' live beside this file because importing
 # those packages registers rules and custom ops.
-_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.prediction.cli", "workbench.checkpoint.cli",
-                               "workbench.cli_spmd", "workbench.cli_kernels", "workbench.rl.cli",
-                               "workbench.embedding.cli", "workbench.doctor"]
+_COMMAND_MODULES: list[str] = ["workbench.plan.cli", "workbench.prediction.cli", "workbench.prediction.time_cli",
+                               "workbench.prediction.advise_cli",
+                               "workbench.checkpoint.cli", "workbench.cli_spmd", "workbench.cli_kernels",
+                               "workbench.rl.cli", "workbench.embedding.cli", "workbench.doctor"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -72,6 +72,7 @@ SYMBOLS: dict[str, str] = {
     "StridedShard": f"{_DT}.placement_types:_StridedShard",
     "c10d_functional": "torch.ops:_c10d_functional",
     "resolve_process_group": "torch.distributed.distributed_c10d:_resolve_process_group",
+    "process_group_unbox": "torch._C._distributed_c10d:ProcessGroup.unbox",  # a c10d op's group -> ProcessGroup
     # process groups, FSDP2, DDP, ZeRO, pipelining, activation checkpointing, DCP
     "FakeStore": "torch.testing._internal.distributed.fake_pg:FakeStore",
     "HSDPMeshInfo": "torch.distributed.fsdp._fully_shard._fsdp_common:HSDPMeshInfo",
@@ -201,6 +202,9 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
             requires=("memory.fake_step",),
             if_missing="a CUDA prediction on a machine without a GPU runs the CPU's kernels (attention's saved "
                        "statistics, the optimizer's temporaries)"),
+    Feature("time.predict", "step-time prediction (workbench time predict)",
+            ("TorchDispatchMode", "current_graph_task_id", "resolve_process_group", "FakeTensor"),
+            requires=("memory.fake_step",), if_missing="workbench cannot predict step time"),
     Feature("train.activation_checkpointing", "activation checkpointing", ("checkpoint_wrapper", "CheckpointImpl")),
     Feature("checkpoint.ema", "EMA weights in checkpoints", ("get_fqns",)),
 ]}

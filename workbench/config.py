@@ -462,6 +462,12 @@ class TrainConfig(_JsonMixin):
                                "the job; off: torch's own rules")
     memory: bool = setting(False, "record a memory timeline of every rank into RUN_DIR/memory (categories, phases, "
                            "steps; `workbench memory show RUN_DIR`)")
+    profile: int | None = setting(None, "trace STEPS steps of every rank with torch.profiler, after one warm-up "
+                                  "step, into RUN_DIR/profile (CPU ops and collectives; with a GPU also CUDA kernels "
+                                  "and NCCL); `workbench time show RUN_DIR`", min=1, const=3, none="off",
+                                  metavar="STEPS", limit=MAX_STEPS,
+                                  expect="a positive number of steps to trace (e.g. --profile 3, or --profile "
+                                         "alone for 3; leave it out to trace nothing)")
     # Checkpoints (workbench.checkpoint). keep: the newest K checkpoints (None = all), plus every
     # keep_every-th step.
     ckpt_every: int = setting(0, "save a checkpoint every N steps", min=0, off="0 turns it off",
@@ -500,6 +506,10 @@ class TrainConfig(_JsonMixin):
         if self.init_from is not None and self.resume is not None:
             raise ValueError("init_from and resume both set: a resumed run takes its weights from the checkpoint; "
                              "drop --init-from to resume, or --resume to start from the HF weights")
+        if self.profile is not None and self.profile + 1 > self.steps:
+            fix = (f"pass --profile {self.steps - 1} or fewer, or " if self.steps > 1 else "pass ")
+            raise ValueError(f"profile={self.profile} traces {self.profile} step(s) after 1 warm-up step, but the run "
+                             f"has steps={self.steps}; {fix}--steps {self.profile + 1} or more")
         if (self.ckpt_async or self.zero_stall) and not self.ckpt_every:
             raise ValueError("ckpt_async/zero_stall need periodic checkpoints; set ckpt_every N (e.g. --ckpt-every 100)")
 

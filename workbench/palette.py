@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["CATEGORY_COLORS", "PHASE_COLORS", "KIND_COLORS", "BAND_OPACITY", "TOTAL_COLOR", "OVERLAY_COLOR",
-           "PEAK_COLOR", "MAX_BANDS", "TABLE_ROWS", "palette", "band_opacity", "peak_where", "memory_x_title"]
+           "PEAK_COLOR", "MAX_BANDS", "TABLE_ROWS", "TIME_COLORS", "palette", "band_opacity", "peak_where",
+           "memory_x_title"]
 
 CATEGORY_COLORS = {
     "parameter": "#1f77b4", "gradient": "#ff7f0e", "optimizer": "#2ca02c", "activation": "#d62728",
@@ -42,6 +43,11 @@ PEAK_COLOR = "#000000"
 KIND_COLORS = {"parameter": CATEGORY_COLORS["parameter"], "gradient": CATEGORY_COLORS["gradient"],
                "optimizer": CATEGORY_COLORS["optimizer"], "master": CATEGORY_COLORS["master"],
                "model": CATEGORY_COLORS["parameter"], "rng": "#8c564b", "extra": "#7f7f7f"}
+# A step timeline's categories (workbench.time.timeline.CATEGORIES): optimizer, communication and checkpoint
+# keep their memory colours; forward and backward are the phase bands' hues, darker; idle is pale grey.
+TIME_COLORS = {"forward": "#3182bd", "backward": "#e6550d", "optimizer": CATEGORY_COLORS["optimizer"],
+               "communication": CATEGORY_COLORS["communication"], "data": "#8c564b",
+               "checkpoint": CATEGORY_COLORS["checkpoint"], "idle": "#d0d0d0"}
 
 
 MAX_BANDS = 200  # phase bands a memory view draws at most (more are joined by the core)
@@ -70,4 +76,4 @@ def memory_x_title(source: str, clock: str, overlay: bool) -> str:
 def palette() -> dict[str, Any]:
     """The palette as JSON, what the server sends the JupyterLab tabs."""
     return {"categories": dict(CATEGORY_COLORS), "phases": dict(PHASE_COLORS), "band_opacity": list(BAND_OPACITY),
-            "total": TOTAL_COLOR, "overlay": OVERLAY_COLOR, "peak": PEAK_COLOR}
+            "total": TOTAL_COLOR, "overlay": OVERLAY_COLOR, "peak": PEAK_COLOR, "time": dict(TIME_COLORS)}

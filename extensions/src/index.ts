@@ -36,7 +36,14 @@ const FILE_TYPES: { name: string; label: string; extensions: string[]; pattern?:
   { name: 'workbench-dcp-metadata', label: 'DCP checkpoint metadata', extensions: [], pattern: '^\\.metadata$', view: 'checkpoint' },
   { name: 'workbench-snapshot', label: 'torch memory snapshot', extensions: ['.pickle'], view: 'memory' },
   { name: 'workbench-run', label: 'run events', extensions: [], pattern: '^events\\.jsonl$', view: 'run' },
-  { name: 'workbench-plan', label: 'sharding plan', extensions: ['.plan.json'], pattern: '^.*\\.plan\\.json$', view: 'plan' }
+  { name: 'workbench-plan', label: 'sharding plan', extensions: ['.plan.json'], pattern: '^.*\\.plan\\.json$', view: 'plan' },
+  {
+    name: 'workbench-trace',
+    label: 'profiler trace (step time)',
+    extensions: ['.pt.trace.json', '.pt.trace.json.gz'],
+    pattern: '^.*\\.pt\\.trace\\.json(\\.gz)?$',
+    view: 'time'
+  }
 ];
 
 /**

@@ -394,6 +394,8 @@ export interface IGanttBar {
   end: number;
   /** Colour index (a microbatch). */
   group: number;
+  /** A colour of its own instead of the group's (a step timeline's category). */
+  color?: string;
   label: string;
   /** Drawn lighter and hatched (a backward). */
   light?: boolean;
@@ -446,7 +448,7 @@ export function gantt(rowLabels: string[], bars: IGanttBar[], options: { title?:
       y,
       width: w,
       height: rowH - 6,
-      fill: PALETTE[b.group % PALETTE.length],
+      fill: b.color ?? PALETTE[b.group % PALETTE.length],
       'fill-opacity': b.light ? 0.55 : 1,
       stroke: 'white',
       'stroke-width': 0.5

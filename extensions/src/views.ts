@@ -3,7 +3,7 @@
 import { Json, WorkbenchError, errorText, requestAPI } from './api';
 import { ISeries, asRecords, el, formatBytes, formatValue, gantt, histogram, jsonView, lineChart, table } from './render';
 
-export type Kind = 'checkpoint' | 'memory' | 'run' | 'plan';
+export type Kind = 'checkpoint' | 'memory' | 'run' | 'plan' | 'time';
 
 /** Runs a JupyterLab command (set by the plugin): the views' buttons reuse the context-menu commands. */
 let execute: (command: string, args: Record<string, string>) => void = () => undefined;
@@ -20,6 +20,9 @@ function commandButton(label: string, command: string, path: string): HTMLButton
 /** What the server calls a thing, mapped onto the four views. */
 export function viewKind(kind: string | undefined): Kind | null {
   const k = (kind ?? '').toLowerCase();
+  if (k === 'time' || /pt\.trace|step_timeline|^profile$/.test(k)) {
+    return 'time';
+  }
   if (/snapshot|memory|timeline|pickle/.test(k)) {
     return 'memory';
   }

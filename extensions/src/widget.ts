@@ -3,6 +3,7 @@ import { Widget } from '@lumino/widgets';
 import { requestAPI } from './api';
 import { el } from './render';
 import { MemoryView } from './memory';
+import { TimeView } from './time';
 import { CheckpointView, Kind, PlanView, RunView, renderAction, showError, viewKind } from './views';
 
 export interface IWorkbenchViewOptions {
@@ -56,8 +57,10 @@ export class WorkbenchView extends Widget {
       }
       case 'plan':
         return new PlanView(host, path, info).render();
+      case 'time':
+        return new TimeView(host, path, info).render();
       default:
-        showError(host, new Error(`${path} is not a checkpoint, memory snapshot, run or plan the workbench knows`));
+        showError(host, new Error(`${path} is not a checkpoint, memory snapshot, run, plan or profiler trace the workbench knows`));
     }
   }
 }

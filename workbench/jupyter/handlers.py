@@ -18,12 +18,14 @@ with the body ``{"error": "<one line: the problem; the fix>"}``.
 
 ``GET open?path=P`` -> which view opens P::
 
-    {"path", "name", "is_dir", "view": "checkpoint" | "snapshot" | "run" | "plan", "format", ...}
+    {"path", "name", "is_dir", "view": "checkpoint" | "snapshot" | "run" | "plan" | "time", "format", ...}
     checkpoint: format "workbench" | "dcp" | "hf" | "safetensors" | "torch"; "checkpoint" (the resolved
                 checkpoint path: a run dir's latest step), "step", "n_tensors", "total_bytes"
     snapshot:   format "snapshot" (a .pickle) | "profiler" | "timeline"; "bytes"
     run:        "run" (the run directory, also for its events.jsonl), "checkpoints" (if any)
     plan:       "model", "layout", "world_size"
+    time:       format "trace" (a *.pt.trace.json[.gz]) | "profile" (a folder of them, or a run's profile/) |
+                "step_timeline" (StepTimeline.save); "bytes" for a file
     (a run directory opens as "run"; pass its checkpoints/ to open the checkpoint view)
 
 ``GET checkpoint/manifest?path=&offset=0&limit=200&filter=&kind=`` (``filter``: case-insensitive
@@ -106,6 +108,18 @@ and once read, what ``MemoryTimelineView`` draws of the same timeline (``workben
                    "phases": [{"phase", "step", "microbatch", "t0", "t1", "x0", "x1", "color", "opacity"}],
                    "overlay": {"rank", "source", "step", "x": [...], "total_bytes": [...]} | null,
                    "y_axis": {"unit", "scale", "range", "step", "ticks" (bytes), "labels" (in unit)}}]}
+
+``GET time/timeline?path=&step=&bars=1500`` (``step``: default the last, the steady state; -1 every step;
+``bars``: per rank and lane, about, <= 20000; ``workbench.jupyter.steptimes``) -> what ``StepTimelineView``
+draws of the same timeline::
+
+    {"path", "source", "device", "ranks", "ranks_shown" (the first 64), "steps", "step", "spans", "spans_shown",
+     "categories", "colors" (workbench.palette.TIME_COLORS), "unit": "ms", "step_time_ms",
+     "rows": [{"rank", "lane": "compute" | "comm", "label"}],
+     "bars": [{"row", "category", "start_ms", "end_ms" (from the shown part's first span), "name", "spans",
+               "busy_ms"}] (StepTimeline.bars),
+     "totals": [{"rank", "step_ms", <category>: ms per step, "exposed_comm_ms" (with the analysis)}],
+     "stragglers": [{"rank", "excess", "straggler"}] | null (without workbench.time.analysis), "meta"}
 
 ``GET plan?path=&offset=0&limit=256`` (a plan JSON: ``workbench plan --json`` or ``ShardingPlan.to_json()``)::
 
@@ -336,6 +350,14 @@ def _timeline(h: _WorkbenchHandler) -> dict[str, Any]:
                                      overlay=None if not overlay else h.path("overlay"))
 
 
+def _time(h: _WorkbenchHandler) -> dict[str, Any]:
+    step = h.get_argument("step", None)
+    from workbench.jupyter import steptimes
+
+    return steptimes.time_answer(h.root, h.path(), None if step in (None, "") else files.parse_int(step, "step", -1),
+                                 bars=h.int_arg("bars", 1500, 10, files.MAX_POINTS))
+
+
 def _plan(h: _WorkbenchHandler) -> dict[str, Any]:
     from workbench.jupyter import plans
 
@@ -368,6 +390,7 @@ ROUTES = {
     "checkpoint/diff": _diff,
     "checkpoint/plan-load": _plan_load,
     "memory/timeline": _timeline,
+    "time/timeline": _time,
     "plan": _plan,
     "run/events": _events,
     "run/pipeline": _pipeline,

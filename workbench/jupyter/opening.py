@@ -8,6 +8,7 @@ from typing import Any
 from workbench.jupyter.checkpoints import manifest_of
 from workbench.jupyter.files import Refused, inside, read_json, relative
 from workbench.jupyter.plans import looks_like_plan
+from workbench.jupyter.steptimes import trace_kind
 from workbench.jupyter.timelines import warm
 
 __all__ = ["open_info", "is_run_dir"]
@@ -32,6 +33,9 @@ def open_info(root: Path, p: Path) -> dict[str, Any]:
         if inside(root, run / "checkpoints") and (run / "checkpoints").is_dir():
             out["checkpoints"] = relative(root, run / "checkpoints")
         return out
+    kind = trace_kind(root, p)  # a profiler trace, a folder of them, a saved step timeline: the step-time tab
+    if kind is not None:
+        return {**base, "view": "time", "format": kind, **({"bytes": p.stat().st_size} if p.is_file() else {})}
     if p.is_file() and p.suffix in (".pickle", ".pkl"):
         kind = identify_memory_file(p)
         if kind == "snapshot":

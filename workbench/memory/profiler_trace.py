@@ -50,7 +50,7 @@ from workbench.memory.snapshot import DEFAULT_MAX_EVENTS
 from workbench.memory.timeline import MemoryTimeline
 from workbench.safeio import open_regular
 
-__all__ = ["import_profiler_trace"]
+__all__ = ["import_profiler_trace", "load_chrome_trace"]
 
 _DEVICE_TYPES = {0: "cpu", 1: "cuda"}
 _PY_FUNCTION = re.compile(r"^(.*)\((\d{1,9})\): (.*)$")  # (a line number that fits an int)
@@ -80,9 +80,11 @@ _MAX_INFLATE = 100
 _INFLATE_FLOOR = 16 << 20
 
 
-def _load_json(path: Path) -> dict:
-    fix = f"the file is damaged or not a chrome trace; {_FIX}"
-    with open_regular(path, "profiler trace", fix_missing=_FIX) as f:  # never a FIFO or a device
+def _load_json(path: Path, how: str = _FIX) -> dict:
+    """A chrome trace file (``.json`` or gzipped) read whole, bounded; every failure one ValueError ending in
+    ``how`` (how to make a good one). Also :mod:`workbench.time.trace`'s reader, as :func:`load_chrome_trace`."""
+    fix = f"the file is damaged or not a chrome trace; {how}"
+    with open_regular(path, "profiler trace", fix_missing=how) as f:  # never a FIFO or a device
         size = os.fstat(f.fileno()).st_size
         head = f.read(2)
         f.seek(0)
@@ -104,10 +106,13 @@ def _load_json(path: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError, RecursionError) as e:
         # ValueError: an integer of more than 4300 digits; RecursionError: nesting deeper than the
         # interpreter's limit (the decoder stops there, in C, without crashing)
-        raise ValueError(f"{path} is not a profiler trace (not readable JSON: {type(e).__name__}); {_FIX}") from None
+        raise ValueError(f"{path} is not a profiler trace (not readable JSON: {type(e).__name__}); {how}") from None
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise ValueError(f"{path} is JSON but not a chrome trace (no 'traceEvents'); {_FIX}")
+        raise ValueError(f"{path} is JSON but not a chrome trace (no 'traceEvents'); {how}")
     return data
+
+
+load_chrome_trace = _load_json  # the public name other readers of profiler traces use
 
 
 def _ident(v: Any) -> str:

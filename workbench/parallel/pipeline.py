@@ -43,6 +43,7 @@ from workbench.config import ModelConfig, ParallelConfig, TrainConfig
 from workbench.memory import marks
 from workbench.memory.probe import resize_storage_
 from workbench.parallel.pipeline_split import build_stage_module, pp_comm, split_layers, stage_ids
+from workbench.time.labels import BACKWARD, FORWARD, label, microbatch_label
 
 if TYPE_CHECKING:
     from workbench.parallel.build import Stages
@@ -67,7 +68,8 @@ class TimedStage(PipelineStage):
     def _timed(self, phase: str, chunk: int, fn, *args, **kwargs):
         t0 = time.time()
         # The memory phase and microbatch of what runs inside (workbench.memory.marks).
-        with marks.phase("forward" if phase == "F" else "backward"), marks.microbatch(chunk):
+        with marks.phase("forward" if phase == "F" else "backward"), marks.microbatch(chunk), \
+                microbatch_label(FORWARD if phase == "F" else BACKWARD, chunk):  # a trace's label (--profile)
             out = fn(chunk, *args, **kwargs)
         self.actions.append({"stage": self.stage_index, "microbatch": chunk, "phase": phase,
                              "start": t0, "end": time.time()})
@@ -81,7 +83,7 @@ class TimedStage(PipelineStage):
 
     def perform_reduce_grad(self, *args, **kwargs):
         # Gradient scaling and data-parallel reduction after the last backward belong to backward.
-        with marks.phase("backward"):
+        with marks.phase("backward"), label(BACKWARD):
             return super().perform_reduce_grad(*args, **kwargs)
 
 

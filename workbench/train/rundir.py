@@ -50,7 +50,7 @@ __all__ = ["RUN_MARKERS", "RUN_RECORDS", "RUN_ID", "RunDirInUse", "CheckpointDir
 
 RUN_MARKERS = ("config.json", "events.jsonl")  # what makes a directory hold a run
 RUN_ID = "run.json"  # {"run_id", "created"}: which run this is (kept when it resumes)
-RUN_RECORDS = ("config.json", "events.jsonl", "launcher.log", "memory", RUN_ID)  # the run's records
+RUN_RECORDS = ("config.json", "events.jsonl", "launcher.log", "memory", "profile", RUN_ID)  # the run's records
 CHECKPOINTS = "checkpoints"
 RUN_DIR_ROOM = 1 << 20  # at least this much free for the events and logs
 

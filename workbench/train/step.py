@@ -37,6 +37,7 @@ from workbench.memory.marks import MARKS, microbatch, phase, set_step
 from workbench.parallel.expert import load_balancing_loss
 from workbench.parallel.pipeline import Pipeline, build_pipeline, stage_io
 from workbench.parallel.precision import compute_context
+from workbench.time.labels import BACKWARD, DATA, FORWARD, OPTIMIZER, label, labelled_batches
 from workbench.train.data import micro_batches
 
 __all__ = ["TrainStep", "StepResult", "build_train_step", "grad_norm", "clip_grads_", "lr_lambda"]
@@ -151,11 +152,13 @@ class TrainStep:
         # The global-batch index of this rank's first sequence: dropout masks follow the samples.
         first = dp_rank * (self.train.global_batch // self.parallel.dp)
         if self.pipe is not None:
-            loss_sum = pipeline_forward_backward(self, next(iter(self.batches(dataset, step, dp_rank))), step, first)
+            with label(DATA):
+                batch = next(iter(self.batches(dataset, step, dp_rank)))
+            loss_sum = pipeline_forward_backward(self, batch, step, first)
             aux_sum, expert_load = torch.zeros((), device=self.device), 0
         else:
             loss_sum, aux_sum, expert_load = forward_backward(self, self.batches(dataset, step, dp_rank), step, first)
-        with phase("optimizer"):
+        with phase("optimizer"), label(OPTIMIZER):
             gnorm = clip_grads_(self.params, self.train.grad_clip, self.pp_group)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -179,7 +182,7 @@ def forward_backward(ts: TrainStep, batches, step: int = 0,
     moe = mcfg.n_experts > 0
     loss_sum = torch.zeros((), device=device)
     aux_sum, expert_load = torch.zeros((), device=device), 0
-    for m, (x, y) in enumerate(batches):
+    for m, (x, y) in enumerate(labelled_batches(batches)):
         last = m == accum - 1
         sync = nullcontext()
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: skip reduce-scatter until last
@@ -189,14 +192,14 @@ def forward_backward(ts: TrainStep, batches, step: int = 0,
         scope = dropout_scope(seed=tcfg.seed, step=step, first_sample=first_sample, seq_shard=ts.seq_shard)
         first_sample += x.shape[0]
         with sync, microbatch(m), scope:
-            with phase("forward"):
+            with phase("forward"), label(FORWARD):
                 with compute_context(model, tcfg.mixed_precision, device.type):
                     logits = model(x.to(device))
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten()) / accum
                 del logits  # else it lives on through the next micro-batch's forward (the loss saved its own)
                 aux, load = load_balancing_loss(model, ts.dp_groups) if moe else (None, None)
                 total = loss if aux is None else loss + mcfg.router_aux_coef * aux / accum
-            with phase("backward"):
+            with phase("backward"), label(BACKWARD):
                 total.backward()
             del total
         loss_sum += loss.detach()

@@ -30,6 +30,8 @@ from workbench.parallel.build import build_stages
 from workbench.train.data import make_dataset
 from workbench.train.group import init_group
 from workbench.train.events import EventWriter
+from workbench.train.profiling import StepProfiler
+from workbench.time.labels import CHECKPOINT, label
 from workbench.train import flops
 from workbench.train.launcher import job_device
 from workbench.train.resumed import describe_layout, layout_changes
@@ -105,7 +107,7 @@ def train(job: JobConfig, run_dir: str) -> None:
         from workbench import spmd
 
         spmd.install()
-    recorder = None
+    recorder = profiler = None
     try:
         mesh = build_mesh(pcfg, device.type) if world > 1 else None
         torch.manual_seed(tcfg.seed)
@@ -182,8 +184,13 @@ def train(job: JobConfig, run_dir: str) -> None:
         # Mixture of experts: the router loss counts expert load over every dp rank (one all-reduce of
         # the counts per micro-batch), so its gradient too matches the single-process run.
         moe = mcfg.n_experts > 0
+        # --profile: torch.profiler over one warm-up step and then tcfg.profile steps (RUN_DIR/profile)
+        profiler = (StepProfiler(run_dir, rank, tcfg.profile, start_step, tcfg.steps, device, events.emit)
+                    if tcfg.profile else None)
 
         for step in range(start_step, tcfg.steps):
+            if profiler is not None:
+                profiler.begin(step)
             if fail_rank == rank and fail_step == step:
                 raise RuntimeError(f"injected failure on rank {rank} at step {step} (fail_at test hook)")
             t0 = time.perf_counter()
@@ -224,8 +231,10 @@ def train(job: JobConfig, run_dir: str) -> None:
                 events.emit("moe", step=step, tokens_per_expert=expert_load.tolist())
             state.step, state.consumed_samples = step + 1, (step + 1) * tcfg.global_batch
             if ckpt is not None:
-                with phase("checkpoint"):
+                with phase("checkpoint"), label(CHECKPOINT):
                     ckpt.after_step(state)
+            if profiler is not None:
+                profiler.end(step)
         set_step(-1)
         if ckpt is not None:
             with phase("checkpoint"):
@@ -236,6 +245,8 @@ def train(job: JobConfig, run_dir: str) -> None:
         if world > 1:
             dist.barrier()
     finally:
+        if profiler is not None:
+            profiler.close()
         if recorder is not None:  # a failed run keeps what it recorded up to the failure
             try:
                 _save_recording(recorder, job, run_dir, device)
