@@ -391,8 +391,10 @@ class _RankSim:
     def _collective(self, op, mailbox) -> None:
         prof = self.prof
         name = op.kind if op.mode not in ("send", "recv") else op.mode
+        # on a CPU a collective's copies and reductions run on the same shared cores as compute
+        cpu_slow = self.slow if prof.kind == "cpu" else 1.0
         if op.mode == "send":
-            dur = prof.collective_time("send/recv", op.nbytes, 2, self._intra(op.group))
+            dur = prof.collective_time("send/recv", op.nbytes, 2, self._intra(op.group)) * cpu_slow
             start = max(self.tc, self.tm)
             self.tm = start + dur
             key = (self.stage_of(self.rank), self.stage_of(op.peer))
@@ -403,7 +405,7 @@ class _RankSim:
             self.stats["comm_bytes"] += op.nbytes
             return
         n = len(op.group) or 1
-        dur = prof.collective_time(op.kind, op.nbytes, n, self._intra(op.group))
+        dur = prof.collective_time(op.kind, op.nbytes, n, self._intra(op.group)) * cpu_slow
         if n <= 1 or dur <= 0:
             return
         self.stats["comm_s"] += dur
@@ -503,9 +505,7 @@ def share_cores(sims: dict[int, _RankSim], rank_map: dict[int, int], profile, wo
         if rep in sims:
             weight[rep] = weight.get(rep, 0) + 1
     scale = per_host / max(1, sum(weight.values()))  # the ranks of one host, of those represented
-    busy = {r: [(row["start"], row["end"]) for row in s.rows
-                if row["stream"] == "compute" and row["category"] not in ("communication", "idle")]
-            for r, s in sims.items()}
+    busy = {r: [(row["start"], row["end"]) for row in s.rows if row["category"] != "idle"] for r, s in sims.items()}
     edges, deltas = [], []
     for r, spans in busy.items():
         for a, b in spans:
