@@ -319,5 +319,12 @@ def estimate(c: Candidate, st: Setting) -> Estimate:
     p_rank = p_max / c.dp_shard
     t_opt = p_rank * 28 / (prof.elementwise_bytes_per_s * prof.eff("elementwise")) + 12 * prof.op_overhead_s
     step = slots * slot + exposed + t_opt
-    return Estimate(peak, step, c.microbatches * t_comp + t_opt, c.microbatches * (t_tp + t_ep + t_p2p) + exposed,
-                    bubble)
+    # CPU ranks share the host's cores (processor sharing, as step_time.share_cores): every part of the step
+    # slows by the ranks computing at once over the cores; a pipeline's stages compute for m of its slots
+    share = 1.0
+    cores = int(getattr(prof, "cores", 0) or 0)
+    if prof.kind == "cpu" and cores > 0:
+        busy = c.microbatches / slots if c.pp > 1 else 1.0
+        share = max(1.0, min(c.dp * c.tp * c.pp, gpn) * busy / cores)
+    return Estimate(peak, step * share, (c.microbatches * t_comp + t_opt) * share,
+                    (c.microbatches * (t_tp + t_ep + t_p2p) + exposed) * share, bubble * share)
