@@ -83,6 +83,18 @@ _Tensor = torch.Tensor
 _FUNC_INFO: dict[int, tuple] = {}
 
 
+def step_phase(graph_task) -> str:
+    """The step phase an operator runs in: the marks' phase (``workbench.memory.marks``), except that
+    anything run by autograd's engine (``graph_task()`` is not -1) outside the checkpoint, optimizer and
+    build phases is backward. Shared by the memory recorder and the step-time op recorder."""
+    p = MARKS.phase
+    if p in ("checkpoint", "optimizer", "build"):
+        return p
+    if graph_task() != -1:
+        return "backward"
+    return p
+
+
 def _func_info(func) -> tuple:
     info = (func, _op_name(func), getattr(func, "namespace", "") in _COMM_NAMESPACES, func in _COPY_OPS,
             func in _JOIN_OPS)
@@ -203,12 +215,7 @@ class MemoryRecorder:
         return time.perf_counter() - self._t0
 
     def _phase(self) -> str:
-        p = MARKS.phase
-        if p in ("checkpoint", "optimizer", "build"):
-            return p
-        if self._graph_task() != -1:
-            return "backward"
-        return p
+        return step_phase(self._graph_task)
 
     def _round(self, n: int) -> int:
         """Bytes as the device's allocator hands them out: CUDA's caching allocator rounds every block

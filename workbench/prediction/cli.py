@@ -374,7 +374,10 @@ def _print_band(band) -> None:
 
 
 def _ranges(ranks: list[int]) -> str:
+    """Ranks as runs: [0, 1, 2, 5] -> "0-2,5" ("none" for no rank)."""
     ranks = sorted(int(r) for r in ranks)
+    if not ranks:
+        return "none"
     out, start, prev = [], ranks[0], ranks[0]
     for r in ranks[1:] + [None]:
         if r is not None and r == prev + 1:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from workbench import compat
 from workbench.memory.marks import MARKS
+from workbench.memory.recorder import step_phase
 from workbench.parallel.collectives import full_buffer_bytes
 
 __all__ = ["Op", "OpRecorder", "op_class_of"]
@@ -200,12 +201,7 @@ class OpRecorder:
         return (other + per_block * len(plan.real)) / (other + per_block * len(blocks))
 
     def _phase(self) -> str:
-        p = MARKS.phase
-        if p in ("checkpoint", "optimizer", "build"):
-            return p
-        if self._graph_task() != -1:
-            return "backward"
-        return p
+        return step_phase(self._graph_task)
 
     def _module(self, phase: str) -> str:
         if self._stack:

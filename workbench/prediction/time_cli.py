@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.cli_output import EXIT_FAILED, emit_json, error
+from workbench.prediction.cli import _ranges
 from workbench.settings import output_dir, ranks
 
 __all__ = ["add_parser", "load_timeline"]
@@ -260,7 +261,7 @@ def _print(tl, b, o, i, s, saved: str | None) -> None:
     steps = tl.steps
     st = f"; step {tl.step_time() * 1e3:.2f} ms (median, slowest rank)" if steps else ""
     print(f"{tl.source} step timeline, {tl.device}, {len(tl.ranks)} rank(s), {len(tl):,} spans, "
-          f"steps {_ranges(steps) if steps else 'none'}{st}" + (f"; saved to {saved}" if saved else ""))
+          f"steps {_ranges(steps)}{st}" + (f"; saved to {saved}" if saved else ""))
     if b.empty:
         print("no spans inside a step (step >= 0): nothing to break down")
         return
@@ -300,18 +301,3 @@ def _records(df) -> list[dict[str, Any]]:
         out.append({k: (bool(v) if isinstance(v, (bool, np.bool_)) else int(v) if isinstance(v, (np.integer,))
                         else float(v) if isinstance(v, (float, np.floating)) else v) for k, v in rec.items()})
     return out
-
-
-def _ranges(values: list[int]) -> str:
-    values = sorted(int(v) for v in values)
-    if not values:
-        return "none"
-    out, start, prev = [], values[0], values[0]
-    for v in values[1:] + [None]:
-        if v is not None and v == prev + 1:
-            prev = v
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if v is not None:
-            start = prev = v
-    return ",".join(out)
